@@ -1,0 +1,136 @@
+"""The Python API the CLIs use: load a model with a placement, generate, score a text.
+
+    from flexevict import LLM
+    llm = LLM("smollm2-135m")                      # packaged real weights, fp32 on CPU
+    outs = llm.generate(["The capital of France is"], max_new_tokens=16)
+    print(outs[0]["completion"], llm.score(open("doc.txt").read(), max_tokens=512)["ppl"])
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+
+from .config import ModelConfig, registry_config, with_overrides
+from .errors import UserError
+from .generation import Sampling, generate, token_nll
+from .model import Transformer
+from .packaged import PACKAGED_MODELS
+from .policies import get_policy
+from .tokenizer import load_tokenizer
+from .weights import DUMMY, config_for_path, open_weights
+
+
+def resolve_model(model: str, path: str | None = None) -> tuple[ModelConfig, str]:
+    """(config, weight path) for a registry name, an HF folder or a .gguf file.
+
+    A registry name without --path uses its packaged weights if a package ships them, else
+    seeded random weights (FlexGen's `_DUMMY_`).
+    """
+    if os.path.isdir(model) or model.endswith(".gguf"):
+        if not os.path.exists(model):
+            raise UserError(f"{model}: file does not exist")
+        return config_for_path(model), model
+    config = registry_config(model)
+    if path is None:
+        path = PACKAGED_MODELS[config.name]() if config.name in PACKAGED_MODELS else DUMMY
+    if path != DUMMY:
+        if not os.path.exists(path):
+            raise UserError(f"{path}: weight path does not exist (give an HF folder, a .gguf "
+                            f"file, or {DUMMY} for random weights)")
+        file_config = config_for_path(path)
+        config = with_overrides(file_config, name=config.name)
+    return config, path
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device} asked for, but this torch has no usable CUDA; "
+                        "use --device cpu")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise UserError(f"unknown --device '{device}' (cpu, cuda or cuda:N)")
+    return torch.device(device)
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class LLM:
+    """A loaded model with its tokenizer."""
+
+    def __init__(self, model: str = "smollm2-135m", path: str | None = None,
+                 device: str | None = "cpu", dtype: str | None = None, seed: int = 0,
+                 progress: bool = False):
+        self.config, self.path = resolve_model(model, path)
+        self.device = resolve_device(device)
+        if dtype is None:
+            dtype = "float32" if self.device.type == "cpu" else "float16"
+        if dtype not in DTYPES:
+            raise UserError(f"unknown --dtype '{dtype}' ({', '.join(DTYPES)})")
+        self.tokenizer = load_tokenizer(self.path)
+        source = open_weights(self.path, self.config, seed)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=self.config.num_layers, desc="loading", unit="layer", file=sys.stderr)
+        try:
+            self.model = Transformer.load(self.config, source, self.device, DTYPES[dtype],
+                                          progress=(lambda j: bar.update(1)) if bar else None)
+        finally:
+            source.close()
+            if bar:
+                bar.close()
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[str], max_new_tokens: int = 32,
+                 sampling: Sampling = Sampling(), policy: str = "full", batch_size: int = 8,
+                 stop_ids=None, progress: bool = False) -> list[dict]:
+        """-> one dict per prompt, in order: {"completion", "tokens", "ids"}.
+
+        Prompts are grouped by length into batches of `batch_size` to limit padding.
+        """
+        if batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
+        pol = get_policy(policy)
+        stop = tuple(self.config.eos_token_ids) if stop_ids is None else tuple(stop_ids)
+        encoded = [self.tokenizer.encode(p) for p in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+        results: list[dict | None] = [None] * len(prompts)
+        batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr)
+        for batch in batches:
+            outs = generate(self.model, [encoded[i] for i in batch], max_new_tokens, pol,
+                            sampling, stop, self.pad_id)
+            for i, ids in zip(batch, outs):
+                results[i] = {"completion": self.tokenizer.decode(ids), "tokens": len(ids),
+                              "ids": ids}
+            if bar:
+                bar.update(len(batch))
+        if bar:
+            bar.close()
+        return results
+
+    @property
+    def pad_id(self) -> int:
+        c = self.config
+        return c.pad_token_id if c.pad_token_id is not None else (c.eos_token_ids or (0,))[0]
+
+    # ------------------------------------------------------------------ scoring
+    def score_ids(self, ids: list[int], policy: str = "full") -> dict:
+        if len(ids) < 2:
+            raise UserError(f"text has {len(ids)} token(s); perplexity needs at least 2")
+        nll = token_nll(self.model, ids, get_policy(policy))
+        mean = float(nll.double().mean())
+        return {"tokens": len(ids), "nll": mean, "ppl": math.exp(mean)}
+
+    def score(self, text: str, max_tokens: int | None = None, policy: str = "full") -> dict:
+        """Perplexity of the text's first max_tokens tokens (tokenized without special tokens)."""
+        ids = self.tokenizer.encode(text, special=False)
+        return self.score_ids(ids[:max_tokens] if max_tokens else ids, policy)

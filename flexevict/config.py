@@ -1,0 +1,273 @@
+"""Model configurations: the registry of known shapes, HF `config.json` parsing, and size formulas.
+
+A `ModelConfig` is everything the white-box models need to know about an architecture. The
+parameter list (`param_shapes`) in HF naming is the single source of truth for what weights a
+model has: dummy weights, loaders, the converter and the size formulas all read it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+
+from .errors import UserError
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                      # "opt" or "llama"
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_size: int
+    max_positions: int
+    norm_eps: float = 1e-5
+    # LLaMA family
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    head_dim: int | None = None    # None: hidden_size // num_heads
+    # OPT family
+    pre_layer_norm: bool = True    # False only for opt-350m (post-LN)
+    word_embed_dim: int | None = None  # opt-350m projects 512 <-> 1024
+    has_final_norm: bool = True
+    enable_bias: bool = True
+    # both
+    tie_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple = ()
+    pad_token_id: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def embed_dim(self) -> int:
+        return self.word_embed_dim or self.hidden_size
+
+    # ---------------------------------------------------------------- parameters
+    def layer_param_shapes(self, j: int) -> dict[str, tuple]:
+        """HF names and shapes of layer j's parameters, in declaration order."""
+        h, f, d = self.hidden_size, self.ffn_size, self.dim_head
+        q_out, kv_out = self.num_heads * d, self.num_kv_heads * d
+        if self.arch == "opt":
+            p = f"model.decoder.layers.{j}."
+            shapes = {}
+            for name, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+                shapes[p + f"self_attn.{name}.weight"] = (out, h)
+                if self.enable_bias:
+                    shapes[p + f"self_attn.{name}.bias"] = (out,)
+            shapes[p + "self_attn.out_proj.weight"] = (h, q_out)
+            shapes[p + "fc1.weight"] = (f, h)
+            shapes[p + "fc2.weight"] = (h, f)
+            if self.enable_bias:
+                shapes[p + "self_attn.out_proj.bias"] = (h,)
+                shapes[p + "fc1.bias"] = (f,)
+                shapes[p + "fc2.bias"] = (h,)
+            for ln in ("self_attn_layer_norm", "final_layer_norm"):
+                shapes[p + f"{ln}.weight"] = (h,)
+                shapes[p + f"{ln}.bias"] = (h,)
+            return shapes
+        p = f"model.layers.{j}."
+        shapes = {p + "input_layernorm.weight": (h,)}
+        for name, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+            shapes[p + f"self_attn.{name}.weight"] = (out, h)
+            if self.attention_bias:
+                shapes[p + f"self_attn.{name}.bias"] = (out,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+        if self.attention_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for name, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
+            shapes[p + f"mlp.{name}.weight"] = shape
+            if self.mlp_bias:
+                shapes[p + f"mlp.{name}.bias"] = (shape[0],)
+        return shapes
+
+    def outer_param_shapes(self) -> dict[str, tuple]:
+        """Embeddings, final norm and LM head (everything outside the layers)."""
+        h, v = self.hidden_size, self.vocab_size
+        if self.arch == "opt":
+            p = "model.decoder."
+            shapes = {p + "embed_tokens.weight": (v, self.embed_dim),
+                      p + "embed_positions.weight": (self.max_positions + 2, h)}
+            if self.embed_dim != h:
+                shapes[p + "project_in.weight"] = (h, self.embed_dim)
+                shapes[p + "project_out.weight"] = (self.embed_dim, h)
+            if self.has_final_norm:
+                shapes[p + "final_layer_norm.weight"] = (h,)
+                shapes[p + "final_layer_norm.bias"] = (h,)
+        else:
+            shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+        if not self.tie_embeddings:
+            shapes["lm_head.weight"] = (v, self.embed_dim)
+        return shapes
+
+    def param_shapes(self) -> dict[str, tuple]:
+        shapes = self.outer_param_shapes()
+        for j in range(self.num_layers):
+            shapes.update(self.layer_param_shapes(j))
+        return shapes
+
+    def param_shapes_cached(self) -> dict[str, tuple]:
+        """`param_shapes()`, computed once per config (configs are immutable)."""
+        if "_shapes" not in self.extra:
+            self.extra["_shapes"] = self.param_shapes()
+        return self.extra["_shapes"]
+
+    # ---------------------------------------------------------------- size formulas
+    def num_params(self) -> int:
+        total = 0
+        for shape in self.param_shapes().values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n
+        return total
+
+    def weight_bytes(self, dtype: str = "float16") -> int:
+        return self.num_params() * DTYPE_BYTES[dtype]
+
+    def kv_bytes_per_token(self, dtype: str = "float16") -> int:
+        """K and V of one token over all layers (one sequence)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.dim_head * DTYPE_BYTES[dtype]
+
+    def cache_bytes(self, batch: int, seq_len: int, dtype: str = "float16") -> int:
+        return batch * seq_len * self.kv_bytes_per_token(dtype)
+
+    def hidden_bytes(self, batch: int, seq_len: int, dtype: str = "float16") -> int:
+        return batch * seq_len * self.hidden_size * DTYPE_BYTES[dtype]
+
+
+# -------------------------------------------------------------------- registry
+
+def _opt(name, h, layers, heads, ffn, **kw):
+    return ModelConfig(arch="opt", name=name, vocab_size=50272, hidden_size=h, num_layers=layers,
+                       num_heads=heads, num_kv_heads=heads, ffn_size=ffn, max_positions=2048,
+                       bos_token_id=2, eos_token_ids=(2,), pad_token_id=1, **kw)
+
+
+def _llama(name, h, layers, heads, kv_heads, ffn, **kw):
+    kw.setdefault("vocab_size", 32000)
+    kw.setdefault("max_positions", 4096)
+    kw.setdefault("tie_embeddings", False)
+    kw.setdefault("bos_token_id", 1)
+    kw.setdefault("eos_token_ids", (2,))
+    return ModelConfig(arch="llama", name=name, hidden_size=h, num_layers=layers, num_heads=heads,
+                       num_kv_heads=kv_heads, ffn_size=ffn, **kw)
+
+
+REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
+    _opt("opt-125m", 768, 12, 12, 3072),
+    _opt("opt-350m", 1024, 24, 16, 4096, pre_layer_norm=False, word_embed_dim=512,
+         has_final_norm=False),
+    _opt("opt-1.3b", 2048, 24, 32, 8192),
+    _opt("opt-2.7b", 2560, 32, 32, 10240),
+    _opt("opt-6.7b", 4096, 32, 32, 16384),
+    _opt("opt-13b", 5120, 40, 40, 20480),
+    _opt("opt-30b", 7168, 48, 56, 28672),
+    _opt("opt-66b", 9216, 64, 72, 36864),
+    _opt("opt-175b", 12288, 96, 96, 49152),
+    _llama("llama-2-7b", 4096, 32, 32, 32, 11008),
+    _llama("llama-2-13b", 5120, 40, 40, 40, 13824),
+    _llama("llama-2-70b", 8192, 80, 64, 8, 28672),
+    _llama("llama-3-8b", 4096, 32, 32, 8, 14336, vocab_size=128256, max_positions=8192,
+           rope_theta=500000.0, bos_token_id=128000, eos_token_ids=(128001,)),
+    _llama("smollm2-135m", 576, 30, 9, 3, 1536, vocab_size=49152, max_positions=8192,
+           rope_theta=100000.0, tie_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+           pad_token_id=2),
+]}
+
+
+def known_names() -> str:
+    return ", ".join(REGISTRY)
+
+
+def registry_config(name: str) -> ModelConfig:
+    key = name.lower().split("/")[-1]     # accept "facebook/opt-30b" like FlexGen
+    if key not in REGISTRY:
+        raise UserError(f"unknown model '{name}'; known models: {known_names()} "
+                        "(or a path to an HF folder with config.json, or a .gguf file)")
+    return REGISTRY[key]
+
+
+def from_hf_dict(cfg: dict, name: str = "hf") -> ModelConfig:
+    """Build a ModelConfig from an HF `config.json` dictionary (OPT or LLaMA-family)."""
+    mtype = cfg.get("model_type", "")
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    common = dict(name=name, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+                  num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
+                  bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+                  pad_token_id=cfg.get("pad_token_id"))
+    if mtype == "opt":
+        if cfg.get("activation_function", "relu") != "relu":
+            raise UserError(f"{name}: only ReLU OPT models are supported")
+        pre = cfg.get("do_layer_norm_before", True)
+        return ModelConfig(arch="opt", num_kv_heads=cfg["num_attention_heads"],
+                           ffn_size=cfg["ffn_dim"], max_positions=cfg["max_position_embeddings"],
+                           pre_layer_norm=pre,
+                           word_embed_dim=cfg.get("word_embed_proj_dim") or cfg["hidden_size"],
+                           has_final_norm=pre and not cfg.get("_remove_final_layer_norm", False),
+                           enable_bias=cfg.get("enable_bias", True),
+                           tie_embeddings=cfg.get("tie_word_embeddings", True), **common)
+    if mtype in ("llama", "mistral", "qwen2"):
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UserError(f"{name}: only SiLU (SwiGLU) LLaMA models are supported")
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
+        return ModelConfig(arch="llama",
+                           num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                           ffn_size=cfg["intermediate_size"],
+                           max_positions=cfg.get("max_position_embeddings", 4096),
+                           norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+                           rope_scaling=scaling, attention_bias=cfg.get("attention_bias", False),
+                           mlp_bias=cfg.get("mlp_bias", False), head_dim=cfg.get("head_dim"),
+                           tie_embeddings=cfg.get("tie_word_embeddings", False), **common)
+    raise UserError(f"{name}: model_type '{mtype}' is not supported (OPT or LLaMA-family only)")
+
+
+def to_hf_dict(c: ModelConfig) -> dict:
+    """The inverse of `from_hf_dict`: an HF `config.json` for this config."""
+    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                  max_position_embeddings=c.max_positions, bos_token_id=c.bos_token_id,
+                  eos_token_id=list(c.eos_token_ids) if len(c.eos_token_ids) > 1 else
+                  (c.eos_token_ids[0] if c.eos_token_ids else None),
+                  pad_token_id=c.pad_token_id, tie_word_embeddings=c.tie_embeddings)
+    if c.arch == "opt":
+        return dict(model_type="opt", architectures=["OPTForCausalLM"], ffn_dim=c.ffn_size,
+                    do_layer_norm_before=c.pre_layer_norm, word_embed_proj_dim=c.embed_dim,
+                    activation_function="relu", enable_bias=c.enable_bias,
+                    _remove_final_layer_norm=c.pre_layer_norm and not c.has_final_norm, **common)
+    return dict(model_type="llama", architectures=["LlamaForCausalLM"],
+                num_key_value_heads=c.num_kv_heads, intermediate_size=c.ffn_size,
+                rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
+                attention_bias=c.attention_bias, mlp_bias=c.mlp_bias, head_dim=c.dim_head,
+                hidden_act="silu", **common)
+
+
+def load_hf_config(folder: str) -> ModelConfig:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"{folder}: no config.json (expected an HF-layout model folder)")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot read config ({e}); re-download or re-convert the model")
+    return from_hf_dict(cfg, name=os.path.basename(os.path.normpath(folder)))
+
+
+def with_overrides(c: ModelConfig, **kw) -> ModelConfig:
+    return replace(c, **kw)

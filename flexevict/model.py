@@ -1,0 +1,274 @@
+"""White-box OPT and LLaMA in plain PyTorch.
+
+The model is three functions over explicit weights: `embed` (tokens -> hidden), `layer` (one
+transformer block, reading and writing that layer's `KVBuffer` through the policy), and `head`
+(hidden -> logits). Keeping them apart lets the offloading engine stream one layer's weights at a
+time and reuse them over several GPU batches. Shapes: B batch, S sequence, H query heads,
+Hk kv heads, d head dim, D hidden, R = B * Hk buffer rows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .errors import UserError
+from .kv import KVBuffer
+
+
+# ------------------------------------------------------------------------------------ weights
+
+def load_layer_weights(config: ModelConfig, source, j: int, device, dtype) -> dict:
+    """Layer j's weights with q/k/v (and LLaMA's gate/up) fused into one matrix each."""
+    names = config.layer_param_shapes(j)
+    raw = {n.split(f"layers.{j}.", 1)[1]: source.load(n, device=device, dtype=dtype) for n in names}
+    w = {}
+    attn = "self_attn."
+    w["wqkv"] = torch.cat([raw[attn + p + ".weight"] for p in ("q_proj", "k_proj", "v_proj")])
+    if attn + "q_proj.bias" in raw:
+        w["bqkv"] = torch.cat([raw[attn + p + ".bias"] for p in ("q_proj", "k_proj", "v_proj")])
+    if config.arch == "opt":
+        w["wo"], w["bo"] = raw[attn + "out_proj.weight"], raw.get(attn + "out_proj.bias")
+        w["ln1_w"], w["ln1_b"] = raw["self_attn_layer_norm.weight"], raw["self_attn_layer_norm.bias"]
+        w["ln2_w"], w["ln2_b"] = raw["final_layer_norm.weight"], raw["final_layer_norm.bias"]
+        w["w1"], w["b1"] = raw["fc1.weight"], raw.get("fc1.bias")
+        w["w2"], w["b2"] = raw["fc2.weight"], raw.get("fc2.bias")
+    else:
+        w["wo"], w["bo"] = raw[attn + "o_proj.weight"], raw.get(attn + "o_proj.bias")
+        w["norm1"], w["norm2"] = raw["input_layernorm.weight"], raw["post_attention_layernorm.weight"]
+        w["wgu"] = torch.cat([raw["mlp.gate_proj.weight"], raw["mlp.up_proj.weight"]])
+        if "mlp.gate_proj.bias" in raw:
+            w["bgu"] = torch.cat([raw["mlp.gate_proj.bias"], raw["mlp.up_proj.bias"]])
+        w["wd"], w["bd"] = raw["mlp.down_proj.weight"], raw.get("mlp.down_proj.bias")
+    return w
+
+
+def load_outer_weights(config: ModelConfig, source, device, dtype) -> dict:
+    """Embeddings, final norm and LM head (tied heads share the embedding tensor)."""
+    raw = {n: source.load(n, device=device, dtype=dtype) for n in config.outer_param_shapes()}
+    if config.arch == "opt":
+        p = "model.decoder."
+        w = {"embed": raw[p + "embed_tokens.weight"], "pos_embed": raw[p + "embed_positions.weight"],
+             "proj_in": raw.get(p + "project_in.weight"), "proj_out": raw.get(p + "project_out.weight"),
+             "norm_w": raw.get(p + "final_layer_norm.weight"),
+             "norm_b": raw.get(p + "final_layer_norm.bias")}
+    else:
+        w = {"embed": raw["model.embed_tokens.weight"], "norm_w": raw["model.norm.weight"]}
+    w["lm_head"] = raw.get("lm_head.weight", w["embed"])
+    return w
+
+
+# ------------------------------------------------------------------------------------ RoPE
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies (d/2,), with linear or llama3 scaling when the config has it."""
+    d = config.dim_head
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = config.rope_scaling
+    if not sc:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    factor = float(sc["factor"])
+    if kind == "linear":
+        return inv / factor
+    if kind == "llama3":
+        old_ctx = sc["original_max_position_embeddings"]
+        low_wl = old_ctx / sc["low_freq_factor"]
+        high_wl = old_ctx / sc["high_freq_factor"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - sc["low_freq_factor"]) / (sc["high_freq_factor"] - sc["low_freq_factor"])
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        return torch.where(medium, smoothed, scaled)
+    raise UserError(f"rope scaling '{kind}' is not supported (linear or llama3)")
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype):
+    """cos, sin of shape pos.shape + (d,) for integer positions."""
+    freqs = pos.to(torch.float32).unsqueeze(-1) * inv_freq.to(pos.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (..., d) rotated by rotate-half convention; cos/sin broadcast to x."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+# ------------------------------------------------------------------------------------ pieces
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def linear(x, w, b=None):
+    return F.linear(x, w, b)
+
+
+@dataclass
+class StepInput:
+    """Per-call metadata shared by all layers.
+
+    prefill: pos (B, S) absolute positions, valid (B, S) non-pad mask.
+    decode:  pos (B,), valid None.
+    """
+    pos: torch.Tensor
+    valid: torch.Tensor | None
+    rope: tuple | None = None      # (cos, sin), computed once per call for LLaMA
+    prefill_mask: torch.Tensor | None = None   # (B, 1, S, S) bool, True = may attend
+
+
+def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
+    """Causal mask that also hides pad keys; pad queries see themselves (no all-masked row)."""
+    s = valid.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=valid.device).tril()
+    eye = torch.eye(s, dtype=torch.bool, device=valid.device)
+    return ((causal & valid[:, None, :]) | eye).unsqueeze(1)
+
+
+class Transformer:
+    """A white-box decoder (OPT or LLaMA) over explicit weights."""
+
+    def __init__(self, config: ModelConfig, layers: list[dict], outer: dict):
+        self.config, self.layers, self.outer = config, layers, outer
+        self.inv_freq = rope_inv_freq(config) if config.arch == "llama" else None
+
+    @classmethod
+    def load(cls, config: ModelConfig, source, device="cpu", dtype=torch.float32, progress=None):
+        layers = []
+        for j in range(config.num_layers):
+            layers.append(load_layer_weights(config, source, j, device, dtype))
+            if progress:
+                progress(j)
+        return cls(config, layers, load_outer_weights(config, source, device, dtype))
+
+    @property
+    def dtype(self):
+        return self.outer["embed"].dtype
+
+    @property
+    def device(self):
+        return self.outer["embed"].device
+
+    # ------------------------------------------------------------------ embed / head
+    def step_input(self, pos: torch.Tensor, valid: torch.Tensor | None) -> StepInput:
+        rope = rope_cos_sin(self.inv_freq, pos, self.dtype) if self.inv_freq is not None else None
+        mask = prefill_mask(valid) if valid is not None else None
+        return StepInput(pos=pos, valid=valid, rope=rope, prefill_mask=mask)
+
+    def embed(self, tokens: torch.Tensor, inp: StepInput) -> torch.Tensor:
+        """tokens (B, S) or (B,) -> hidden (B, S, D) or (B, D)."""
+        o = self.outer
+        h = F.embedding(tokens, o["embed"])
+        if self.config.arch == "opt":
+            if o["proj_in"] is not None:
+                h = linear(h, o["proj_in"])
+            pos = inp.pos if inp.valid is None else torch.where(inp.valid, inp.pos, -1)
+            h = h + F.embedding(pos + 2, o["pos_embed"])     # OPT's learned positions: offset 2
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden (..., D) -> fp32 logits (..., V)."""
+        o, c = self.outer, self.config
+        if c.arch == "opt":
+            if o["norm_w"] is not None:
+                h = F.layer_norm(h, (c.hidden_size,), o["norm_w"], o["norm_b"], c.norm_eps)
+            if o["proj_out"] is not None:
+                h = linear(h, o["proj_out"])
+        else:
+            h = rms_norm(h, o["norm_w"], c.norm_eps)
+        return linear(h, o["lm_head"]).float()
+
+    # ------------------------------------------------------------------ one layer
+    def layer(self, j: int, h: torch.Tensor, inp: StepInput, buf: KVBuffer, policy) -> torch.Tensor:
+        """One block. h: (B, S, D) in prefill or (B, D) in decode; updates `buf` through `policy`."""
+        c, w = self.config, self.layers[j]
+        opt = c.arch == "opt"
+        if opt:
+            x = F.layer_norm(h, (c.hidden_size,), w["ln1_w"], w["ln1_b"], c.norm_eps) \
+                if c.pre_layer_norm else h
+        else:
+            x = rms_norm(h, w["norm1"], c.norm_eps)
+        a = linear(self.attention(x, w, inp, buf, policy), w["wo"], w["bo"])
+        h = h + a
+        if opt and not c.pre_layer_norm:
+            h = F.layer_norm(h, (c.hidden_size,), w["ln1_w"], w["ln1_b"], c.norm_eps)
+        if opt:
+            x = F.layer_norm(h, (c.hidden_size,), w["ln2_w"], w["ln2_b"], c.norm_eps) \
+                if c.pre_layer_norm else h
+            f = linear(torch.relu(linear(x, w["w1"], w["b1"])), w["w2"], w["b2"])
+            h = h + f
+            if not c.pre_layer_norm:
+                h = F.layer_norm(h, (c.hidden_size,), w["ln2_w"], w["ln2_b"], c.norm_eps)
+            return h
+        x = rms_norm(h, w["norm2"], c.norm_eps)
+        gate, up = linear(x, w["wgu"], w.get("bgu")).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, w["wd"], w["bd"])
+
+    def attention(self, x, w, inp: StepInput, buf: KVBuffer, policy) -> torch.Tensor:
+        c = self.config
+        nh, nk, d = c.num_heads, c.num_kv_heads, c.dim_head
+        qkv = linear(x, w["wqkv"], w.get("bqkv"))
+        q, k, v = qkv.split([nh * d, nk * d, nk * d], dim=-1)
+        if x.dim() == 3:
+            return self._prefill_attention(q, k, v, inp, buf, policy)
+        return self._decode_attention(q, k, v, inp, buf, policy)
+
+    def _prefill_attention(self, q, k, v, inp, buf, policy):
+        c = self.config
+        b, s, _ = q.shape
+        nh, nk, d = c.num_heads, c.num_kv_heads, c.dim_head
+        q = q.view(b, s, nh, d).transpose(1, 2)                   # (B, H, S, d)
+        k = k.view(b, s, nk, d).transpose(1, 2)                   # (B, Hk, S, d)
+        v = v.view(b, s, nk, d).transpose(1, 2)
+        if inp.rope is not None:
+            cos, sin = (t.unsqueeze(1) for t in inp.rope)          # (B, 1, S, d)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=inp.prefill_mask,
+                                             enable_gqa=nh != nk)
+        # buffer rows are (b, kv-head): (B, Hk, S, d) -> (S, B*Hk, d)
+        rows = lambda t: t.permute(2, 0, 1, *range(3, t.dim())).reshape(s, b * nk, *t.shape[3:])
+        pos = inp.pos.unsqueeze(1).expand(b, nk, s)
+        valid = inp.valid.unsqueeze(1).expand(b, nk, s)
+        policy.prefill(buf, rows(k), rows(v), rows(pos).to(torch.int32), rows(valid))
+        return out.transpose(1, 2).reshape(b, s, nh * d)
+
+    def _decode_attention(self, q, k, v, inp, buf, policy):
+        c = self.config
+        b = q.shape[0]
+        nh, nk, d = c.num_heads, c.num_kv_heads, c.dim_head
+        g = nh // nk
+        q = q.reshape(b * nk, g, d)                                # rows = (b, kv-head)
+        k = k.reshape(b * nk, d)
+        if inp.rope is not None:
+            cos, sin = (t.repeat_interleave(nk, dim=0) for t in inp.rope)   # (R, d)
+            q, k = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), apply_rope(k, cos, sin)
+        slot = buf.incoming_slot()
+        buf.write(slot, k, v.reshape(b * nk, d), inp.pos.repeat_interleave(nk).to(torch.int32))
+        policy.before_attention(buf, slot, q)
+        out, probs = attend(q, buf, buf.attended(slot), d ** -0.5)
+        policy.after_attention(buf, slot, probs)
+        return out.reshape(b, nh * d)
+
+
+def attend(q: torch.Tensor, buf: KVBuffer, n: int, scale: float):
+    """Decode attention over the buffer's first n slots.
+
+    q: (R, g, d) -> out (R, g, d), probs (R, g, n) fp32 (policies sum over g for a kv head).
+    """
+    keys = buf.k[:n].transpose(0, 1)                               # (R, n, d)
+    vals = buf.v[:n].transpose(0, 1)
+    bias = torch.zeros(buf.valid.shape[1], 1, n, dtype=q.dtype, device=q.device)
+    bias.masked_fill_(~buf.valid[:n].t().unsqueeze(1), float("-inf"))
+    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)   # (R, g, n)
+    p = torch.softmax(scores.float(), dim=-1)
+    out = torch.bmm(p.to(vals.dtype), vals)
+    return out, p

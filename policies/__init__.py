@@ -1,0 +1,28 @@
+"""Eviction policies, one module per policy, registered by name (installed as `flexevict.policies`).
+
+A policy owns three decisions on a layer's `KVBuffer` and nothing else (no I/O, no device
+choice): how many committed slots the buffer has (`capacity`), which prompt tokens it keeps after
+prefill (`prefill`), and where each decoded token goes (`before_attention` for pre-attention
+policies, `after_attention` for policies that read the attention probabilities just used).
+"""
+from __future__ import annotations
+
+from flexevict.errors import UserError
+
+from .base import Policy
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def get_policy(name: str, **args) -> Policy:
+    if name not in POLICIES:
+        raise UserError(f"unknown policy '{name}'; known policies: {', '.join(POLICIES)}")
+    return POLICIES[name](**args)
+
+
+from . import full  # noqa: E402,F401  (each module registers itself)
