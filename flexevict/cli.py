@@ -1,0 +1,72 @@
+"""Arguments and helpers shared by the command-line entry points."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from .config import known_names
+from .errors import UserError
+
+
+def add_model_args(p: argparse.ArgumentParser):
+    p.add_argument("--model", default="smollm2-135m",
+                   help=f"registry name ({known_names()}), an HF folder, or a .gguf file")
+    p.add_argument("--path", default=None,
+                   help="weights for a registry name: HF folder, .gguf, or _DUMMY_ for seeded "
+                        "random weights (default: the packaged weights, else _DUMMY_)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default: float32 on CPU, float16 on GPU")
+    p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and sampling")
+    p.add_argument("--policy", default="full", help="KV eviction policy (default full)")
+
+
+def load_llm(args, progress: bool = True):
+    from .api import LLM
+    return LLM(args.model, path=args.path, device=args.device, dtype=args.dtype,
+               seed=args.seed, progress=progress)
+
+
+def read_text(path: str) -> str:
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: text file does not exist")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if not text.strip():
+        raise UserError(f"{path}: text file is empty")
+    return text
+
+
+def read_jsonl_prompts(path: str) -> list[dict]:
+    """Lines `{"id": ..., "prompt": "..."}`; every problem names its line."""
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: input file does not exist")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{n}: malformed JSON line ({e.msg}); expected "
+                                '{"id": ..., "prompt": "..."}') from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise UserError(f'{path}:{n}: line needs a string "prompt" field')
+            rows.append(row)
+    if not rows:
+        raise UserError(f"{path}: input file has no prompts")
+    return rows
+
+
+def write_jsonl_atomic(path: str, rows: list[dict]):
+    """Write to `path.partial` and rename when complete, so a crash leaves no complete-looking file."""
+    tmp = path + ".partial"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"{path}: cannot write output ({e.strerror})") from None
