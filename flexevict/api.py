@@ -76,7 +76,8 @@ class LLM:
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=self.config.num_layers, desc="loading", unit="layer", file=sys.stderr)
+            bar = tqdm(total=self.config.num_layers, desc="loading", unit="layer", file=sys.stderr,
+                       disable=None)          # no bar when stderr is not a terminal
         try:
             self.model = Transformer.load(self.config, source, self.device, DTYPES[dtype],
                                           progress=(lambda j: bar.update(1)) if bar else None)
@@ -104,7 +105,8 @@ class LLM:
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr)
+            bar = tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr,
+                       disable=None)
         for batch in batches:
             outs = generate(self.model, [encoded[i] for i in batch], max_new_tokens, pol,
                             sampling, stop, self.pad_id)

@@ -10,7 +10,7 @@ import sys
 
 from .api import resolve_model
 from .errors import cli_errors
-from .tokenizer import load_tokenizer
+from .tokenizer import ByteTokenizer, load_tokenizer
 from .weights import convert, open_weights
 
 
@@ -24,8 +24,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     with cli_errors("flexevict.convert"):
         config, path = resolve_model(args.model, args.path)
-        convert(open_weights(path, config), config, args.out, args.dtype)
-        load_tokenizer(path).save(args.out)
+        tokenizer = load_tokenizer(path)
+        convert(open_weights(path, config), config, args.out, args.dtype,
+                tokenizer="bytes" if isinstance(tokenizer, ByteTokenizer) else "tokenizer.json")
+        tokenizer.save(args.out)
         print(f"wrote {config.name} ({config.num_params() / 1e6:.1f}M parameters, {args.dtype}) "
               f"to {args.out}", file=sys.stderr)
 

@@ -42,7 +42,8 @@ class ByteTokenizer:
 def load_tokenizer(path: str | None):
     """Tokenizer for a weight path (None or _DUMMY_ -> bytes)."""
     from tokenizers import Tokenizer as HFTokenizer
-    if path is None or path == "_DUMMY_":
+    from .weights import DUMMY, native_info
+    if path is None or path == DUMMY or (native_info(path) or {}).get("tokenizer") == "bytes":
         return ByteTokenizer()
     if path.endswith(".gguf"):
         from .gguf_io import gguf_tokenizer

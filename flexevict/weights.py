@@ -142,11 +142,17 @@ class NativeWeights:
         pass
 
 
-def is_native(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, "flexevict.json"))
+def native_info(folder: str) -> dict | None:
+    """The engine layout's `flexevict.json`, or None for any other folder."""
+    path = os.path.join(folder, "flexevict.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
-def convert(source, config: ModelConfig, out_dir: str, dtype: str = "float16") -> None:
+def convert(source, config: ModelConfig, out_dir: str, dtype: str = "float16",
+            tokenizer: str = "tokenizer.json") -> None:
     """Write `source`'s weights into the engine's layout (one `.npy` per tensor) under out_dir.
 
     One tensor is in memory at a time. bfloat16 is stored as float32 (numpy has no bf16).
@@ -162,7 +168,7 @@ def convert(source, config: ModelConfig, out_dir: str, dtype: str = "float16") -
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(to_hf_dict(config), f, indent=1)
     with open(os.path.join(out_dir, "flexevict.json"), "w") as f:
-        json.dump({"format": "flexevict-npy-v1", "dtype": dtype}, f)
+        json.dump({"format": "flexevict-npy-v1", "dtype": dtype, "tokenizer": tokenizer}, f)
 
 
 def open_weights(path: str | None, config: ModelConfig, seed: int = 0):
@@ -174,7 +180,7 @@ def open_weights(path: str | None, config: ModelConfig, seed: int = 0):
         from .gguf_io import GGUFWeights
         return GGUFWeights(path, config)
     if os.path.isdir(path):
-        return NativeWeights(path, config) if is_native(path) else HFFolderWeights(path, config)
+        return NativeWeights(path, config) if native_info(path) else HFFolderWeights(path, config)
     raise UserError(f"{path}: weight path does not exist (give an HF folder, a .gguf file, "
                     f"or {DUMMY} for random weights)")
 

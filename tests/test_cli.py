@@ -1,0 +1,145 @@
+"""Every CLI error path: one line on stderr naming the problem, exit code 2, no traceback, and no
+output file that looks complete. Also a real end-to-end run of each CLI on a tiny model."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flexevict.config import ModelConfig
+from flexevict.weights import DummyWeights, convert
+
+TINY = ModelConfig(arch="llama", name="tiny", vocab_size=256, hidden_size=32, num_layers=2,
+                   num_heads=4, num_kv_heads=2, ffn_size=64, max_positions=64,
+                   eos_token_ids=(), pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    convert(DummyWeights(TINY, seed=3), TINY, str(d), "float32", tokenizer="bytes")
+    return str(d)
+
+
+def run(module, *args, cwd=None):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", f"flexevict.{module}", *args],
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def assert_user_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "error:" in lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_unknown_model_lists_known_names():
+    proc = run("generate", "--model", "opt-9b", "--prompt", "hi")
+    assert_user_error(proc, "opt-9b", "opt-125m", "smollm2-135m")
+
+
+def test_missing_weight_file_is_named(tiny_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in os.listdir(tiny_dir):
+        (broken / f).write_bytes(open(os.path.join(tiny_dir, f), "rb").read())
+    victim = "model.layers.1.mlp.up_proj.weight.npy"
+    os.remove(broken / victim)
+    proc = run("generate", "--model", str(broken), "--prompt", "hi")
+    assert_user_error(proc, victim, "missing")
+
+
+def test_corrupt_safetensors_is_named(tmp_path):
+    from flexevict.config import to_hf_dict
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_dict(TINY)))
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.WordLevel({"a": 0}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
+    proc = run("eval", "ppl", "--model", str(tmp_path), "--text", __file__)
+    assert_user_error(proc, "model.safetensors")
+
+
+def test_corrupt_gguf_is_named(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    proc = run("generate", "--model", str(bad), "--prompt", "hi")
+    assert_user_error(proc, "model.gguf")
+
+
+def test_prompt_longer_than_model_allows(tiny_dir):
+    proc = run("generate", "--model", tiny_dir, "--prompt", "x" * 100, "--max-new-tokens", "4")
+    assert_user_error(proc, "maximum of 64 positions")
+
+
+def test_empty_input_file(tmp_path, tiny_dir):
+    (tmp_path / "in.jsonl").write_text("\n")
+    out = tmp_path / "out.jsonl"
+    proc = run("generate", "--model", tiny_dir, "--input", str(tmp_path / "in.jsonl"),
+               "--output", str(out))
+    assert_user_error(proc, "no prompts")
+    assert not out.exists() and not (tmp_path / "out.jsonl.partial").exists()
+
+
+def test_malformed_jsonl_names_the_line(tmp_path, tiny_dir):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": \n')
+    out = tmp_path / "out.jsonl"
+    proc = run("generate", "--model", tiny_dir, "--input", str(tmp_path / "in.jsonl"),
+               "--output", str(out))
+    assert_user_error(proc, "in.jsonl:2")
+    assert not out.exists()
+
+
+def test_missing_prompt_field_names_the_line(tmp_path, tiny_dir):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "text": "a"}\n')
+    proc = run("generate", "--model", tiny_dir, "--input", str(tmp_path / "in.jsonl"),
+               "--output", str(tmp_path / "o.jsonl"))
+    assert_user_error(proc, "in.jsonl:1", "prompt")
+
+
+def test_missing_text_file():
+    proc = run("eval", "ppl", "--model", "opt-125m", "--text", "/nonexistent/file.txt")
+    assert_user_error(proc, "/nonexistent/file.txt")
+
+
+def test_generate_jsonl_end_to_end(tmp_path, tiny_dir):
+    rows = [{"id": 1, "prompt": "abc"}, {"id": "x", "prompt": "hello world", "extra": True}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    proc = run("generate", "--model", tiny_dir, "--input", str(tmp_path / "in.jsonl"),
+               "--output", str(out), "--max-new-tokens", "5", "--batch-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g["id"] for g in got] == [1, "x"] and got[1]["extra"] is True
+    assert all(g["tokens"] == 5 and isinstance(g["completion"], str) for g in got)
+    assert not (tmp_path / "out.jsonl.partial").exists()
+
+
+def test_eval_ppl_json_end_to_end(tmp_path, tiny_dir):
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog " * 3)
+    proc = run("eval", "ppl", "--model", tiny_dir, "--text", str(tmp_path / "t.txt"),
+               "--max-tokens", "40", "--json")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert set(res) == {"model", "policy", "budget", "tokens", "nll", "ppl"}
+    assert res["tokens"] == 40 and res["policy"] == "full"
+    assert abs(res["ppl"] - 2.718281828 ** res["nll"]) < 1e-6 * res["ppl"]
+
+
+def test_convert_round_trip(tmp_path, tiny_dir):
+    """A converted model gives the same logits as its source."""
+    import torch
+    from flexevict.api import resolve_model
+    from flexevict.model import Transformer
+    from flexevict.weights import open_weights
+    cfg, path = resolve_model(tiny_dir)
+    a = Transformer.load(cfg, open_weights(path, cfg))
+    b = Transformer.load(TINY, DummyWeights(TINY, seed=3))
+    for wa, wb in zip(a.layers, b.layers):
+        for key in wa:
+            if wa[key] is not None:
+                assert torch.equal(wa[key], wb[key]), key
