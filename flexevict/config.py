@@ -30,7 +30,8 @@ class ModelConfig:
     # LLaMA family
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
-    attention_bias: bool = False
+    attention_bias: bool = False   # q/k/v and o projections
+    qkv_bias: bool = False         # q/k/v only (Qwen2)
     mlp_bias: bool = False
     head_dim: int | None = None    # None: hidden_size // num_heads
     # OPT family
@@ -80,7 +81,7 @@ class ModelConfig:
         shapes = {p + "input_layernorm.weight": (h,)}
         for name, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
             shapes[p + f"self_attn.{name}.weight"] = (out, h)
-            if self.attention_bias:
+            if self.attention_bias or self.qkv_bias:
                 shapes[p + f"self_attn.{name}.bias"] = (out,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
         if self.attention_bias:
@@ -215,7 +216,8 @@ def from_hf_dict(cfg: dict, name: str = "hf") -> ModelConfig:
         return ModelConfig(arch="opt", num_kv_heads=cfg["num_attention_heads"],
                            ffn_size=cfg["ffn_dim"], max_positions=cfg["max_position_embeddings"],
                            pre_layer_norm=pre,
-                           word_embed_dim=cfg.get("word_embed_proj_dim") or cfg["hidden_size"],
+                           word_embed_dim=_unless_default(cfg.get("word_embed_proj_dim"),
+                                                          cfg["hidden_size"]),
                            has_final_norm=pre and not cfg.get("_remove_final_layer_norm", False),
                            enable_bias=cfg.get("enable_bias", True),
                            tie_embeddings=cfg.get("tie_word_embeddings", True), **common)
@@ -226,15 +228,25 @@ def from_hf_dict(cfg: dict, name: str = "hf") -> ModelConfig:
         if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
         theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
+        max_pos = cfg.get("max_position_embeddings", 4096)
+        window = cfg.get("sliding_window")
+        if window and (mtype == "mistral" or cfg.get("use_sliding_window")):
+            max_pos = min(max_pos, window)     # no sliding-window attention: refuse longer runs
         return ModelConfig(arch="llama",
                            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-                           ffn_size=cfg["intermediate_size"],
-                           max_positions=cfg.get("max_position_embeddings", 4096),
+                           ffn_size=cfg["intermediate_size"], max_positions=max_pos,
                            norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
                            rope_scaling=scaling, attention_bias=cfg.get("attention_bias", False),
-                           mlp_bias=cfg.get("mlp_bias", False), head_dim=cfg.get("head_dim"),
+                           qkv_bias=mtype == "qwen2", mlp_bias=cfg.get("mlp_bias", False),
+                           head_dim=_unless_default(cfg.get("head_dim"),
+                                                    cfg["hidden_size"] // cfg["num_attention_heads"]),
                            tie_embeddings=cfg.get("tie_word_embeddings", False), **common)
     raise UserError(f"{name}: model_type '{mtype}' is not supported (OPT or LLaMA-family only)")
+
+
+def _unless_default(value, default):
+    """None when a config value is absent or equals what the architecture derives anyway."""
+    return None if value in (None, default) else value
 
 
 def to_hf_dict(c: ModelConfig) -> dict:
@@ -250,7 +262,9 @@ def to_hf_dict(c: ModelConfig) -> dict:
                     do_layer_norm_before=c.pre_layer_norm, word_embed_proj_dim=c.embed_dim,
                     activation_function="relu", enable_bias=c.enable_bias,
                     _remove_final_layer_norm=c.pre_layer_norm and not c.has_final_norm, **common)
-    return dict(model_type="llama", architectures=["LlamaForCausalLM"],
+    qwen = c.qkv_bias and not c.attention_bias     # q/k/v-only biases are Qwen2's layout
+    return dict(model_type="qwen2" if qwen else "llama",
+                architectures=["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
                 num_key_value_heads=c.num_kv_heads, intermediate_size=c.ffn_size,
                 rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
                 attention_bias=c.attention_bias, mlp_bias=c.mlp_bias, head_dim=c.dim_head,

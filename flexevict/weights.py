@@ -65,7 +65,9 @@ class HFFolderWeights:
         self.files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
         self.kind = "safetensors"
         if not self.files:
-            self.files = sorted(glob.glob(os.path.join(folder, "*.bin")))
+            bins = sorted(glob.glob(os.path.join(folder, "*.bin")))
+            named = [f for f in bins if os.path.basename(f).startswith("pytorch_model")]
+            self.files = named or [f for f in bins if os.path.basename(f) != "training_args.bin"]
             self.kind = "bin"
         if not self.files:
             raise UserError(f"{folder}: no *.safetensors or *.bin weight files; "
@@ -85,11 +87,11 @@ class HFFolderWeights:
                 else:
                     for p in list(self._open):       # keep at most one .bin shard in memory
                         del self._open[p]
-                    self._open[path] = torch.load(path, map_location="cpu", weights_only=True,
-                                                  mmap=True)
+                    self._open[path] = _load_bin(path)
             except Exception as e:  # corrupt or truncated file
+                first_line = (str(e).splitlines() or [""])[0]
                 raise UserError(f"{path}: cannot read weight file ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0][:120]}); re-download it") from None
+                                f"{first_line}); re-download it") from None
         return self._open[path]
 
     def load(self, name: str, device="cpu", dtype=torch.float32) -> torch.Tensor:
@@ -106,6 +108,16 @@ class HFFolderWeights:
 
     def close(self):
         self._open.clear()
+
+
+def _load_bin(path: str) -> dict:
+    """A `.bin` state dict, memory-mapped when the file is in torch's zip format."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)   # legacy format
 
 
 def _checked(t: torch.Tensor, name: str, config: ModelConfig, path: str) -> torch.Tensor:

@@ -11,7 +11,9 @@ import torch  # noqa: E402
 import flexevict.packaged  # noqa: E402
 from flexevict.errors import UserError  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one intra-op thread: these models are tiny, and on a shared 2-core machine OpenMP threads that
+# wait for a busy core make every small op take milliseconds (hundreds of times slower)
+torch.set_num_threads(int(os.environ.get("FLEXEVICT_TEST_THREADS", "1")))
 
 
 # ------------------------------------------------------------------------ tiny HF models

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flexevict.api
+import flexevict.errors
 import flexevict.generation as G
 import flexevict.model
 import flexevict.policies
@@ -40,6 +41,24 @@ def _llama(**kw):
     return LlamaConfig(**base)
 
 
+def _qwen2(**kw):
+    from transformers import Qwen2Config
+    base = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                tie_word_embeddings=False)
+    base.update(kw)
+    return Qwen2Config(**base)
+
+
+def _mistral(**kw):
+    from transformers import MistralConfig
+    base = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                sliding_window=None)
+    base.update(kw)
+    return MistralConfig(**base)
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
@@ -54,6 +73,9 @@ CONFIGS = {
     "llama3-rope-scaling": lambda: _llama(rope_parameters=dict(LLAMA3_ROPE, rope_theta=50000.0),
                                           num_key_value_heads=2),
     "llama-head-dim": lambda: _llama(head_dim=32, num_key_value_heads=2),   # H*d != hidden
+    # from_hf_dict also accepts these LLaMA-family model types
+    "mistral": lambda: _mistral(),
+    "qwen2": lambda: _qwen2(),           # q/k/v biases, no o_proj bias
 }
 
 
@@ -129,6 +151,19 @@ def test_logits_match_hf(name, hf_model_factory):
     assert_logits_match(hf, model, prompts_for(2, 9, vocab, seed=2))
 
 
+def test_sliding_window_is_honoured_or_refused(hf_model_factory):
+    """A Mistral config with a sliding window shorter than the sequence: the engine must either
+    reproduce HF (windowed attention) or refuse the length, never silently attend further."""
+    hf, folder = hf_model_factory(_mistral(sliding_window=8), "swa")
+    model = load_engine(folder)
+    prompts = prompts_for(1, 13, model.config.vocab_size, seed=1)
+    try:
+        G.check_length(model, 13, DECODE_STEPS + 1)
+    except flexevict.errors.UserError:
+        return                                          # refused: fine
+    assert_logits_match(hf, model, prompts)
+
+
 def test_engine_config_reads_saved_hf_config(hf_model_factory):
     """What transformers 5 `save_pretrained` writes (rope_parameters) is what the engine uses."""
     hf, folder = hf_model_factory(CONFIGS["llama3-rope-scaling"](), "rope")
@@ -190,3 +225,29 @@ def test_bin_weights_equal_safetensors(name, strip, shards, hf_model_factory, tm
     assert torch.equal(pa, pb)
     for x, y in zip(sa, sb):
         assert torch.equal(x, y)
+
+
+def test_bin_folder_with_training_args(hf_model_factory, tmp_path):
+    """HF training folders ship `training_args.bin` (a pickled TrainingArguments, not weights)
+    next to `pytorch_model.bin`; it must not stop the weights from loading."""
+    import argparse
+    hf, folder = hf_model_factory(CONFIGS["llama-gqa-tied"](), "m")
+    bin_folder = _bin_copy(hf, folder, tmp_path / "bin")
+    torch.save(argparse.Namespace(learning_rate=1e-4, output_dir="out"),
+               os.path.join(bin_folder, "training_args.bin"))
+    a, b = load_engine(folder), load_engine(bin_folder)
+    prompts = prompts_for(1, 7, a.config.vocab_size, seed=3)
+    assert torch.equal(engine_run(a, prompts, [])[0], engine_run(b, prompts, [])[0])
+
+
+def test_bin_legacy_serialization(hf_model_factory, tmp_path):
+    """A `.bin` written in torch's pre-1.6 (non-zip) format is still a valid checkpoint."""
+    hf, folder = hf_model_factory(CONFIGS["opt-preln-bias"](), "m")
+    dest = tmp_path / "legacy"
+    os.makedirs(dest)
+    shutil.copy(os.path.join(folder, "config.json"), dest)
+    torch.save({k: v.detach().clone() for k, v in hf.state_dict().items()},
+               os.path.join(dest, "pytorch_model.bin"), _use_new_zipfile_serialization=False)
+    a, b = load_engine(folder), load_engine(str(dest))
+    prompts = prompts_for(1, 7, a.config.vocab_size, seed=3)
+    assert torch.equal(engine_run(a, prompts, [])[0], engine_run(b, prompts, [])[0])

@@ -1,0 +1,703 @@
+"""Greedy generation on CPU: flexevict vs transformers' `generate`, same fp32 weights, same run.
+
+    python bench/cpu_generate.py [--repeats N] [--batch 8] [--prompt-len 256] [--new-tokens 64]
+                                 [--json FILE]
+
+Workload: SmolLM2-135M (the packaged GGUF, dequantized to fp32 by both loaders), `--batch`
+different Wikipedia windows of exactly `--prompt-len` tokens each (no padding), `--new-tokens`
+greedy tokens, no stop tokens. Both systems run in this process with the same torch thread count.
+
+Measurements
+  * full run: one `generate` call, wall time; tokens/s = batch * new_tokens / time.
+  * prefill (time to first token), two ways:
+      - a separate `generate(max_new_tokens=1)` run per system ("prefill run"), and
+      - a timestamp inside every full run: flexevict's first `model.head` call returns, and
+        transformers' first logits-processor call ("in-run TTFT").
+    decode = full - prefill; per decode step = decode / (new_tokens - 1).
+  * rounds alternate the order of the two systems (A B, B A, ...) so slow drifts of the machine
+    hit both; the ratio is reported both as a ratio of medians and as the median of per-round
+    ratios. A short matmul probe before each timed call records how fast the machine was then
+    (shared/virtualized CPUs can change speed by 2x within seconds).
+  * token agreement: fraction of identical greedy tokens, and the identical-prefix length per row.
+  * where flexevict's time goes: exclusive wall time per region (a stack timer wrapped around the
+    engine's functions for the duration of the measurement only) for one prefill and several
+    decode steps, and torch.profiler's top ops by self CPU time.
+  * decode attention layout: does `bmm`/`baddbmm` copy the transposed views of the sequence-major
+    (slots, rows, d) K/V buffer? (profiler children of the bmm ops), and the time of the current
+    `attend` vs the same math on contiguous head-major (rows, slots, d) K/V and vs SDPA.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import flexevict  # noqa: E402
+import flexevict.generation as gen  # noqa: E402
+import flexevict.kv as fkv  # noqa: E402
+import flexevict.model as fmodel  # noqa: E402
+import flexevict.policies  # noqa: E402
+from flexevict.generation import Sampling  # noqa: E402
+from flexevict.packaged import smollm2_gguf, wikipedia_text  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:7.1f}s]", *a, file=sys.stderr, flush=True)
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ------------------------------------------------------------------------------ machine probe
+_PA = torch.randn(256, 576)
+_PW = torch.randn(1536, 576)
+
+
+def probe_gflops(reps: int = 10) -> float:
+    """GFLOP/s of a small fixed fp32 GEMM right now (~30 ms): how fast the machine is now."""
+    t = time.perf_counter()
+    for _ in range(reps):
+        F.linear(_PA, _PW)
+    dt = time.perf_counter() - t
+    return reps * 2 * _PA.shape[0] * _PW.shape[0] * _PA.shape[1] / dt / 1e9
+
+
+# ------------------------------------------------------------------------------ prompts
+def build_prompts(tokenizer, batch: int, length: int) -> list[list[int]]:
+    """`batch` consecutive `length`-token windows of the packaged Wikipedia text."""
+    need = batch * length
+    articles = 64
+    while True:
+        ids = tokenizer.encode(wikipedia_text(articles), special=False)
+        # drop a margin at the end: the last tokens of a truncated text may tokenize differently
+        if len(ids) >= need + 64:
+            break
+        articles *= 2
+    return [ids[i * length:(i + 1) * length] for i in range(batch)]
+
+
+# ------------------------------------------------------------------------------ the two systems
+class FlexRunner:
+    name = "flexevict"
+
+    def __init__(self, llm, prompts):
+        self.llm, self.prompts = llm, prompts
+        self.policy = flexevict.policies.get_policy("full")
+
+    def run(self, new_tokens: int):
+        """-> (wall seconds, in-run TTFT seconds, tokens (B, new_tokens) list)."""
+        model = self.llm.model
+        first = []
+        real_head = model.head
+
+        def head(h):                       # timestamp when the first logits exist
+            out = real_head(h)
+            if not first:
+                first.append(time.perf_counter())
+            return out
+
+        model.head = head                  # instance attribute shadows the method
+        try:
+            t = time.perf_counter()
+            out = gen.generate(model, self.prompts, new_tokens, self.policy, Sampling(),
+                               stop_ids=(), pad_id=self.llm.pad_id)
+            dt = time.perf_counter() - t
+        finally:
+            del model.head
+        return dt, first[0] - t, out
+
+
+class HFRunner:
+    name = "transformers"
+
+    def __init__(self, model, prompts):
+        self.model = model
+        self.ids = torch.tensor(prompts, dtype=torch.long)
+        self.mask = torch.ones_like(self.ids)
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        class FirstCall(LogitsProcessor):
+            def __init__(self):
+                self.t = None
+
+            def __call__(self, input_ids, scores):
+                if self.t is None:
+                    self.t = time.perf_counter()
+                return scores
+
+        self._first_call, self._list = FirstCall, LogitsProcessorList
+
+    def run(self, new_tokens: int):
+        fc = self._first_call()
+        t = time.perf_counter()
+        out = self.model.generate(self.ids, attention_mask=self.mask, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False,
+                                  logits_processor=self._list([fc]))
+        dt = time.perf_counter() - t
+        return dt, fc.t - t, out[:, self.ids.shape[1]:].tolist()
+
+
+# ------------------------------------------------------------------------------ region timer
+class RegionTimer:
+    """Exclusive wall time per named region; nested regions are charged to the innermost."""
+
+    def __init__(self):
+        self.excl: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.stack: list[list] = []
+
+    @contextmanager
+    def region(self, name):
+        frame = [name, time.perf_counter(), 0.0]
+        self.stack.append(frame)
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - frame[1]
+            self.stack.pop()
+            self.excl[name] = self.excl.get(name, 0.0) + dt - frame[2]
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if self.stack:
+                self.stack[-1][2] += dt
+
+    def top(self):
+        return self.stack[-1][0] if self.stack else None
+
+    def wrap(self, fn, name):
+        def wrapped(*a, **k):
+            with self.region(name):
+                return fn(*a, **k)
+        return wrapped
+
+
+class _FProxy:
+    """Stands in for `torch.nn.functional` inside flexevict.model while regions are timed."""
+
+    def __init__(self, timer):
+        self._t = timer
+        self.scaled_dot_product_attention = timer.wrap(F.scaled_dot_product_attention,
+                                                       "attention: SDPA kernel")
+        self.silu = timer.wrap(F.silu, "mlp: silu")
+
+    def __getattr__(self, name):
+        return getattr(F, name)
+
+
+@contextmanager
+def instrumented(timer: RegionTimer):
+    """Temporarily wrap the engine's functions with timed regions (restored on exit)."""
+    T, KV = fmodel.Transformer, fkv.KVBuffer
+    saved_mod = {n: getattr(fmodel, n) for n in ("linear", "rms_norm", "apply_rope", "attend", "F")}
+    saved_cls = {(T, n): getattr(T, n) for n in ("_prefill_attention", "_decode_attention",
+                                                 "embed", "head", "step_input", "attention")}
+    saved_cls.update({(KV, n): getattr(KV, n) for n in ("write", "store_prompt")})
+    real_linear = saved_mod["linear"]
+
+    def linear(x, w, b=None):
+        name = "lm_head GEMM" if timer.top() == "head (final norm etc.)" else "linear GEMMs (qkv/o/mlp)"
+        with timer.region(name):
+            return real_linear(x, w, b)
+
+    fmodel.linear = linear
+    fmodel.rms_norm = timer.wrap(saved_mod["rms_norm"], "rms_norm")
+    fmodel.apply_rope = timer.wrap(saved_mod["apply_rope"], "rope: apply_rope")
+    fmodel.attend = timer.wrap(saved_mod["attend"], "attention: decode attend (bias+baddbmm+softmax+bmm)")
+    fmodel.F = _FProxy(timer)
+    T._prefill_attention = timer.wrap(saved_cls[(T, "_prefill_attention")],
+                                      "attention glue (views/permutes/rope cos-sin repeat)")
+    T._decode_attention = timer.wrap(saved_cls[(T, "_decode_attention")],
+                                     "attention glue (views/permutes/rope cos-sin repeat)")
+    T.attention = timer.wrap(saved_cls[(T, "attention")], "attention glue (qkv split)")
+    T.embed = timer.wrap(saved_cls[(T, "embed")], "embed")
+    T.head = timer.wrap(saved_cls[(T, "head")], "head (final norm etc.)")
+    T.step_input = timer.wrap(saved_cls[(T, "step_input")], "step_input (rope cos/sin, prefill mask)")
+    KV.write = timer.wrap(saved_cls[(KV, "write")], "kv: buffer write / prompt store")
+    KV.store_prompt = timer.wrap(saved_cls[(KV, "store_prompt")], "kv: buffer write / prompt store")
+    try:
+        yield
+    finally:
+        for n, v in saved_mod.items():
+            setattr(fmodel, n, v)
+        for (cls, n), v in saved_cls.items():
+            setattr(cls, n, v)
+
+
+# ------------------------------------------------------------------------------ flexevict internals
+class FlexState:
+    """A prefilled batch held in the engine's own buffers, to step decode by hand."""
+
+    def __init__(self, model, prompts, new_tokens, pad_id):
+        self.model = model
+        self.policy = flexevict.policies.get_policy("full")
+        self.tokens, self.valid, self.pos = gen.left_pad(prompts, pad_id, model.device)
+        b, s = self.tokens.shape
+        self.bufs = gen.allocate(model, self.policy.capacity(s, new_tokens), b)
+
+    def prefill(self):
+        m = self.model
+        h = gen.forward(m, self.tokens, m.step_input(self.pos, self.valid), self.bufs, self.policy)
+        self.nxt = m.head(h[:, -1]).argmax(-1)
+        self.next_pos = self.valid.sum(dim=1)
+
+    def step(self):
+        m = self.model
+        h = gen.forward(m, self.nxt, m.step_input(self.next_pos, None), self.bufs, self.policy)
+        self.nxt = m.head(h).argmax(-1)
+        self.next_pos = self.next_pos + 1
+
+
+def region_breakdown(llm, prompts, new_tokens, decode_steps):
+    """Exclusive wall time per region for one prefill and `decode_steps` decode steps."""
+    out = {}
+    with torch.inference_mode():
+        st = FlexState(llm.model, prompts, new_tokens, llm.pad_id)
+        for phase, fn, n in (("prefill", st.prefill, 1), ("decode_step", st.step, decode_steps)):
+            timer = RegionTimer()
+            with instrumented(timer):
+                t = time.perf_counter()
+                for _ in range(n):
+                    with timer.region("other (residual adds, silu*up, chunk, argmax, python)"):
+                        fn()
+                total = (time.perf_counter() - t) / n
+            regions = {k: v / n for k, v in timer.excl.items()}
+            out[phase] = {"seconds_per_call": total, "calls_averaged": n,
+                          "regions_s": dict(sorted(regions.items(), key=lambda kv: -kv[1])),
+                          "region_calls": {k: v // n for k, v in timer.calls.items()}}
+    return out
+
+
+OP_CATEGORIES = [
+    ("matmul/linear (aten::mm/addmm)", ("aten::mm", "aten::addmm")),
+    ("attention bmm (aten::bmm/baddbmm)", ("aten::bmm", "aten::baddbmm")),
+    ("attention SDPA kernel", ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                               "aten::_scaled_dot_product_attention_math")),
+    ("softmax", ("aten::_softmax", "aten::softmax")),
+    ("copies (copy_/clone/contiguous/cat/index_put)", ("aten::copy_", "aten::clone", "aten::cat",
+                                                        "aten::index_put_", "aten::_index_put_impl_",
+                                                        "aten::fill_", "aten::zero_")),
+]
+
+
+def categorize(name: str) -> str:
+    for cat, names in OP_CATEGORIES:
+        if name in names:
+            return cat
+    if name in ("aten::mul", "aten::add", "aten::neg", "aten::silu", "aten::pow", "aten::mean",
+                "aten::rsqrt", "aten::sum", "aten::where", "aten::masked_fill_", "aten::cos",
+                "aten::sin", "aten::div_", "aten::argmax", "aten::add_", "aten::sub"):
+        return "elementwise/reductions (rope, norms, silu*up, residual)"
+    return "other (views, allocation, dispatch)"
+
+
+def profiler_top_ops(llm, prompts, new_tokens, decode_warm_steps, top):
+    """torch.profiler self-CPU time by op for one prefill and one decode step."""
+    from torch.profiler import ProfilerActivity, profile
+    res = {}
+    with torch.inference_mode():
+        st = FlexState(llm.model, prompts, new_tokens, llm.pad_id)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            st.prefill()
+        res["prefill"] = _op_table(prof, top)
+        for _ in range(decode_warm_steps):
+            st.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            st.step()
+        res["decode_step"] = _op_table(prof, top)
+        res["decode_step"]["kv_slots_attended"] = st.bufs[0].used
+    return res
+
+
+def _op_table(prof, top):
+    avgs = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in avgs)
+    cats: dict[str, float] = {}
+    for e in avgs:
+        c = categorize(e.key)
+        cats[c] = cats.get(c, 0.0) + e.self_cpu_time_total
+    return {"self_cpu_total_ms": total / 1e3,
+            "top_ops": [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                         "calls": e.count} for e in avgs[:top]],
+            "categories_ms": {k: v / 1e3 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])}}
+
+
+# ------------------------------------------------------------------------------ attention layout
+def _timeit(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return median(ts)
+
+
+def attention_layout_study(llm, prompts, new_tokens, decode_steps, reps):
+    """Decode attention on a real buffer: copies inside bmm? current layout vs head-major."""
+    from torch.profiler import ProfilerActivity, profile
+    c = llm.config
+    nh, nk, d = c.num_heads, c.num_kv_heads, c.dim_head
+    g = nh // nk
+    with torch.inference_mode():
+        st = FlexState(llm.model, prompts, new_tokens, llm.pad_id)
+        st.prefill()
+        for _ in range(decode_steps):
+            st.step()
+        buf = st.bufs[0]
+        n = buf.used + 1                           # what attend reads for the next token
+        rows = buf.k.shape[1]
+        torch.manual_seed(0)
+        q = torch.randn(rows, g, d, dtype=buf.k.dtype)
+        buf.valid[n - 1] = True                    # pretend the next token was written
+        scale = d ** -0.5
+        attend = fmodel.attend
+
+        # 1) does bmm/baddbmm copy the strided operands? Every op under them, with shapes: a
+        #    copy of a K/V-sized tensor ((R, n, d) or (R, d, n)) is an operand copy; baddbmm also
+        #    copies its `bias` input (R, g, n) into the output, which is not.
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            attend(q, buf, n, scale)
+        children = {}
+        operand_copies = []
+        kv_shapes = ([rows, n, d], [rows, d, n], [n, rows, d])
+        for ev in prof.events():
+            if ev.name in ("aten::bmm", "aten::baddbmm"):
+                kids = []
+                stack = list(ev.cpu_children)
+                while stack:
+                    k = stack.pop()
+                    shapes = [list(x) for x in (k.input_shapes or []) if x]
+                    kids.append(f"{k.name}{shapes}")
+                    if k.name in ("aten::copy_", "aten::clone", "aten::contiguous") and \
+                            any(sh in kv_shapes for sh in shapes):
+                        operand_copies.append(f"{ev.name} > {k.name}{shapes}")
+                    stack.extend(k.cpu_children)
+                children[ev.name] = sorted(set(kids))
+        copies_inside = bool(operand_copies)
+
+        keys = buf.k[:n].transpose(0, 1)           # (R, n, d) strides (d, R*d, 1)
+        vals = buf.v[:n].transpose(0, 1)
+        bias = torch.zeros(rows, 1, n, dtype=q.dtype)
+        bias.masked_fill_(~buf.valid[:n].t().unsqueeze(1), float("-inf"))
+        kc, vc = keys.contiguous(), vals.contiguous()
+        kT_c = keys.transpose(1, 2).contiguous()
+        # head-major buffers of the same capacity, read as a prefix view (what a (rows, slots, d)
+        # KVBuffer would hand to attention: contiguous matrices, batch stride = capacity * d)
+        cap = buf.k.shape[0]
+        kh = torch.zeros(rows, cap, d, dtype=q.dtype)
+        vh = torch.zeros(rows, cap, d, dtype=q.dtype)
+        kh[:, :n].copy_(keys)
+        vh[:, :n].copy_(vals)
+        kh_n, vh_n = kh[:, :n], vh[:, :n]
+        p = torch.softmax(torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale), -1)
+
+        def sdpa_head_major():
+            return F.scaled_dot_product_attention(q.unsqueeze(0), kh_n.unsqueeze(0),
+                                                  vh_n.unsqueeze(0), attn_mask=bias.unsqueeze(0))
+
+        def manual_head_major():
+            s = torch.baddbmm(bias, q, kh_n.transpose(1, 2), alpha=scale)
+            return torch.bmm(torch.softmax(s, -1), vh_n)
+
+        t = {
+            "attend (current: strided seq-major views)": _timeit(lambda: attend(q, buf, n, scale), reps),
+            "baddbmm QK^T, strided K view": _timeit(
+                lambda: torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale), reps),
+            "baddbmm QK^T, contiguous (R,n,d) K": _timeit(
+                lambda: torch.baddbmm(bias, q, kc.transpose(1, 2), alpha=scale), reps),
+            "baddbmm QK^T, contiguous (R,d,n) K^T": _timeit(
+                lambda: torch.baddbmm(bias, q, kT_c, alpha=scale), reps),
+            "bmm PV, strided V view": _timeit(lambda: torch.bmm(p, vals), reps),
+            "bmm PV, contiguous (R,n,d) V": _timeit(lambda: torch.bmm(p, vc), reps),
+            "K.contiguous()+V.contiguous() copy (cost if copied)": _timeit(
+                lambda: (keys.contiguous(), vals.contiguous()), reps),
+            "bias zeros+masked_fill": _timeit(lambda: torch.zeros(rows, 1, n).masked_fill_(
+                ~buf.valid[:n].t().unsqueeze(1), float("-inf")), reps),
+            "softmax (R,g,n)": _timeit(lambda: torch.softmax(p, -1), reps),
+            "manual attend on head-major (R,cap,d) prefix views": _timeit(manual_head_major, reps),
+            "SDPA on head-major prefix views (+mask)": _timeit(sdpa_head_major, reps),
+        }
+        ref = attend(q, buf, n, scale)[0]
+        agree = {"head_major_manual_max_abs_diff": float((manual_head_major() - ref).abs().max()),
+                 "sdpa_head_major_max_abs_diff": float((sdpa_head_major()[0] - ref).abs().max())}
+        buf.valid[n - 1] = False
+    per_run = c.num_layers * (new_tokens - 1)
+    return {"slots_attended": n, "rows": rows, "group": g, "head_dim": d,
+            "bmm_children_ops": children, "bmm_copies_operands": copies_inside,
+            "bmm_operand_copies": operand_copies,
+            "strides": {"K_view_for_QK": list(keys.transpose(1, 2).stride()),
+                        "V_view": list(vals.stride())},
+            "median_us_per_layer_call": {k: v * 1e6 for k, v in t.items()},
+            "per_generate_run_ms_(x layers x decode steps)": {
+                k: v * per_run * 1e3 for k, v in t.items()},
+            "numerics": agree}
+
+
+# ------------------------------------------------------------------------------ main
+def git_commit(repo):
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                    cwd=repo, capture_output=True, text=True).stdout.strip())
+        return head, dirty
+    except Exception:
+        return None, None
+
+
+def machine_info():
+    import transformers
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit, dirty = git_commit(repo)
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "python": platform.python_version(),
+            "cpu_model": cpu, "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "torch_interop_threads": torch.get_num_interop_threads(),
+            "mkl": torch.backends.mkl.is_available(), "mkldnn": torch.backends.mkldnn.is_available(),
+            "git_commit": commit, "git_dirty_tracked": dirty}
+
+
+def agreement(a, b):
+    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    total = sum(len(r) for r in a)
+    prefix = []
+    for ra, rb in zip(a, b):
+        k = 0
+        while k < min(len(ra), len(rb)) and ra[k] == rb[k]:
+            k += 1
+        prefix.append(k)
+    return {"identical_tokens": same, "total_tokens": total, "fraction_identical": same / total,
+            "identical_prefix_per_row": prefix, "all_identical": same == total and
+            all(len(x) == len(y) for x, y in zip(a, b))}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--json", default=None, help="write all numbers to this file")
+    ap.add_argument("--no-prefill-runs", action="store_true",
+                    help="skip the separate max_new_tokens=1 runs (in-run TTFT is still measured)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the flexevict breakdowns")
+    args = ap.parse_args(argv)
+    if args.new_tokens < 2:
+        ap.error("--new-tokens must be >= 2 (decode time is full - prefill)")
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+    info = machine_info()
+    threads = torch.get_num_threads()
+    print(f"torch threads: {threads} (intra-op, shared by both systems); cpu_count {os.cpu_count()}; "
+          f"torch {info['torch']}, transformers {info['transformers']}")
+
+    log("loading flexevict")
+    t = time.perf_counter()
+    llm = flexevict.LLM("smollm2-135m")
+    load_flex = time.perf_counter() - t
+    gguf = smollm2_gguf()
+    log("loading transformers")
+    t = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                              dtype=torch.float32, attn_implementation="sdpa")
+    hf.eval()
+    load_hf = time.perf_counter() - t
+    assert hf.dtype == torch.float32 and llm.model.dtype == torch.float32
+    wdiff = (llm.model.layers[0]["wqkv"][:hf.config.hidden_size]
+             - hf.model.layers[0].self_attn.q_proj.weight).abs().max().item()
+
+    prompts = build_prompts(llm.tokenizer, args.batch, args.prompt_len)
+    assert all(len(p) == args.prompt_len for p in prompts)
+    assert len({tuple(p) for p in prompts}) == args.batch
+    runners = [FlexRunner(llm, prompts), HFRunner(hf, prompts)]
+
+    log("warm-up")
+    for r in runners:
+        r.run(2)
+
+    runs = {r.name: {"full_s": [], "ttft_inrun_s": [], "prefill_run_s": [], "probe_gflops": []}
+            for r in runners}
+    tokens = {}
+    pair_ratio = []
+    for rnd in range(args.repeats):
+        order = runners if rnd % 2 == 0 else runners[::-1]
+        full = {}
+        for r in order:
+            g = probe_gflops()
+            dt, ttft, out = r.run(args.new_tokens)
+            runs[r.name]["full_s"].append(dt)
+            runs[r.name]["ttft_inrun_s"].append(ttft)
+            runs[r.name]["probe_gflops"].append(g)
+            tokens[r.name] = out
+            full[r.name] = dt
+            log(f"round {rnd + 1}/{args.repeats} {r.name:12s} full {dt:6.2f}s  ttft {ttft:5.2f}s  "
+                f"(probe {g:5.1f} GFLOP/s)")
+        pair_ratio.append(full["transformers"] / full["flexevict"])
+        if not args.no_prefill_runs:
+            for r in order:
+                dt, _, _ = r.run(1)
+                runs[r.name]["prefill_run_s"].append(dt)
+                log(f"round {rnd + 1}/{args.repeats} {r.name:12s} prefill-only {dt:6.2f}s")
+
+    B, N = args.batch, args.new_tokens
+    summary = {}
+    for name, rr in runs.items():
+        full = median(rr["full_s"])
+        ttft_in = median(rr["ttft_inrun_s"])
+        pre = median(rr["prefill_run_s"]) if rr["prefill_run_s"] else None
+        s = {"full_s": full, "tokens_per_s": B * N / full,
+             "ttft_inrun_s": ttft_in,
+             "decode_s_from_inrun": median([f - p for f, p in zip(rr["full_s"], rr["ttft_inrun_s"])]),
+             "prefill_run_s": pre}
+        s["decode_step_ms_from_inrun"] = s["decode_s_from_inrun"] / (N - 1) * 1e3
+        s["decode_tokens_per_s_from_inrun"] = B * (N - 1) / s["decode_s_from_inrun"]
+        s["prefill_tokens_per_s_inrun"] = B * args.prompt_len / ttft_in
+        if pre is not None:
+            s["decode_s_from_prefill_run"] = full - pre
+            s["decode_step_ms_from_prefill_run"] = (full - pre) / (N - 1) * 1e3
+        summary[name] = s
+    fx, tf = summary["flexevict"], summary["transformers"]
+    ratios = {
+        "throughput_ratio_flex_over_hf (ratio of medians)": tf["full_s"] / fx["full_s"],
+        "throughput_ratio_flex_over_hf (median of per-round ratios)": median(pair_ratio),
+        "per_round_ratios": pair_ratio,
+        "prefill_speed_ratio_inrun": tf["ttft_inrun_s"] / fx["ttft_inrun_s"],
+        "decode_speed_ratio_inrun": tf["decode_s_from_inrun"] / fx["decode_s_from_inrun"],
+    }
+    if fx["prefill_run_s"] is not None:
+        ratios["prefill_speed_ratio_prefill_run"] = tf["prefill_run_s"] / fx["prefill_run_s"]
+        ratios["decode_speed_ratio_prefill_run"] = (tf["decode_s_from_prefill_run"]
+                                                    / fx["decode_s_from_prefill_run"])
+    agree = agreement(tokens["flexevict"], tokens["transformers"])
+    probes = [g for rr in runs.values() for g in rr["probe_gflops"]]
+
+    breakdown = top_ops = layout = None
+    if not args.no_profile:
+        log("flexevict region breakdown")
+        breakdown = region_breakdown(llm, prompts, N, decode_steps=8)
+        log("torch.profiler")
+        top_ops = profiler_top_ops(llm, prompts, N, decode_warm_steps=N // 2, top=12)
+        log("decode attention layout study")
+        layout = attention_layout_study(llm, prompts, N, decode_steps=N // 2, reps=50)
+
+    # ------------------------------------------------------------------ report
+    print()
+    print(f"SmolLM2-135M fp32, CPU, batch {B} x prompt {args.prompt_len} tokens (no padding), "
+          f"{N} new tokens greedy, {args.repeats} rounds, {threads} threads")
+    print(f"weights identical (layer-0 q_proj max |diff|): {wdiff:g}; load: flexevict {load_flex:.1f}s, "
+          f"transformers {load_hf:.1f}s")
+    hdr = f"{'':28s}{'flexevict':>12s}{'transformers':>14s}{'flex/HF speed':>15s}"
+    print(hdr)
+    print("-" * len(hdr))
+
+    def row(label, a, b, fmt="{:.3f}", speed=None):
+        sp = f"{speed:.3f}x" if speed is not None else ""
+        print(f"{label:28s}{fmt.format(a):>12s}{fmt.format(b):>14s}{sp:>15s}")
+
+    row("full generate, median s", fx["full_s"], tf["full_s"], speed=tf["full_s"] / fx["full_s"])
+    row("  tokens/s (B*N/time)", fx["tokens_per_s"], tf["tokens_per_s"], "{:.1f}",
+        speed=fx["tokens_per_s"] / tf["tokens_per_s"])
+    row("TTFT in-run, s", fx["ttft_inrun_s"], tf["ttft_inrun_s"],
+        speed=tf["ttft_inrun_s"] / fx["ttft_inrun_s"])
+    if fx["prefill_run_s"] is not None:
+        row("prefill run (new=1), s", fx["prefill_run_s"], tf["prefill_run_s"],
+            speed=tf["prefill_run_s"] / fx["prefill_run_s"])
+    row("decode (full-TTFT), s", fx["decode_s_from_inrun"], tf["decode_s_from_inrun"],
+        speed=tf["decode_s_from_inrun"] / fx["decode_s_from_inrun"])
+    row("  per decode step, ms", fx["decode_step_ms_from_inrun"], tf["decode_step_ms_from_inrun"],
+        "{:.1f}")
+    if fx["prefill_run_s"] is not None:
+        row("decode (full-prefill run), s", fx["decode_s_from_prefill_run"],
+            tf["decode_s_from_prefill_run"],
+            speed=tf["decode_s_from_prefill_run"] / fx["decode_s_from_prefill_run"])
+    print(f"\nTHROUGHPUT RATIO flexevict / transformers: "
+          f"{ratios['throughput_ratio_flex_over_hf (ratio of medians)']:.3f} (ratio of medians), "
+          f"{ratios['throughput_ratio_flex_over_hf (median of per-round ratios)']:.3f} "
+          f"(median of per-round ratios {', '.join(f'{x:.3f}' for x in pair_ratio)})")
+    print(f"greedy tokens identical: {agree['identical_tokens']}/{agree['total_tokens']} "
+          f"({agree['fraction_identical']:.4f}); identical prefix per row: "
+          f"{agree['identical_prefix_per_row']}")
+    spread = max(probes) / min(probes)
+    print(f"machine-speed probe over timed runs: {min(probes):.0f}..{max(probes):.0f} GFLOP/s "
+          f"(max/min {spread:.2f})" + ("  <-- noisy machine; compare per-round ratios" if spread > 1.3 else ""))
+
+    if breakdown:
+        for phase in ("prefill", "decode_step"):
+            b = breakdown[phase]
+            print(f"\nflexevict {phase}: {b['seconds_per_call'] * 1e3:.1f} ms per call "
+                  f"(exclusive wall time per region, average of {b['calls_averaged']})")
+            for k, v in b["regions_s"].items():
+                print(f"  {k:58s}{v * 1e3:9.2f} ms {100 * v / b['seconds_per_call']:5.1f}%")
+        for phase in ("prefill", "decode_step"):
+            tp = top_ops[phase]
+            print(f"\ntorch.profiler, flexevict {phase} (self CPU {tp['self_cpu_total_ms']:.1f} ms"
+                  + (f", {tp['kv_slots_attended']} slots in cache" if phase == "decode_step" else "")
+                  + ")")
+            for k, v in tp["categories_ms"].items():
+                print(f"  {k:58s}{v:9.2f} ms {100 * v / tp['self_cpu_total_ms']:5.1f}%")
+            print("  top ops:")
+            for o in tp["top_ops"]:
+                print(f"    {o['op']:56s}{o['self_cpu_ms']:9.2f} ms  x{o['calls']}")
+        L = layout
+        print(f"\ndecode attention, one layer, {L['slots_attended']} slots x {L['rows']} rows x "
+              f"d={L['head_dim']} (group {L['group']}); strides K^T view {L['strides']['K_view_for_QK']}, "
+              f"V view {L['strides']['V_view']}")
+        print("  ops inside bmm/baddbmm [input shapes]:")
+        for k, v in L["bmm_children_ops"].items():
+            print(f"    {k}: {', '.join(v)}")
+        print(f"  -> bmm/baddbmm copy the K/V operands: {L['bmm_copies_operands']} "
+              f"{L['bmm_operand_copies'] or ''}")
+        per = L["per_generate_run_ms_(x layers x decode steps)"]
+        for k, v in L["median_us_per_layer_call"].items():
+            print(f"  {k:56s}{v:9.1f} us/call  {per[k]:8.1f} ms/run")
+        print(f"  numerics vs current attend: {L['numerics']}")
+
+    result = {"benchmark": "cpu_generate", "model": "smollm2-135m", "gguf": gguf, "dtype": "float32",
+              "args": vars(args), "machine": info, "load_s": {"flexevict": load_flex,
+                                                              "transformers": load_hf},
+              "weights_max_abs_diff_layer0_q": wdiff,
+              "runs": runs, "summary": summary, "ratios": ratios, "token_agreement": agree,
+              "machine_probe_gflops": {"min": min(probes), "max": max(probes),
+                                       "max_over_min": spread},
+              "flexevict_region_breakdown": breakdown, "flexevict_profiler": top_ops,
+              "decode_attention_layout": layout,
+              "benchmark_wall_s": time.perf_counter() - T0}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.json}")
+    log("done")
+    return result
+
+
+if __name__ == "__main__":
+    main()
