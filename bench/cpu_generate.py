@@ -261,24 +261,71 @@ class FlexState:
         self.next_pos = self.next_pos + 1
 
 
-def region_breakdown(llm, prompts, new_tokens, decode_steps):
-    """Exclusive wall time per region for one prefill and `decode_steps` decode steps."""
-    out = {}
+def _timed_regions(fn, n, profiler=None):
+    """Run fn n times with the engine instrumented -> exclusive wall time per region."""
+    timer = RegionTimer()
+    with instrumented(timer):
+        t = time.perf_counter()
+        for _ in range(n):
+            with timer.region("other (residual adds, silu*up, chunk, argmax, python)"):
+                fn()
+        total = (time.perf_counter() - t) / n
+    regions = {k: v / n for k, v in timer.excl.items()}
+    return {"seconds_per_call": total, "calls_averaged": n,
+            "regions_s": dict(sorted(regions.items(), key=lambda kv: -kv[1])),
+            "region_calls_per_call": {k: v // n for k, v in timer.calls.items()}}
+
+
+def flex_profile(llm, prompts, new_tokens, decode_steps=8, top=12):
+    # stay inside the buffer: warm + timed + profiled steps <= new_tokens - 2, so the layout
+    # study can still place one more token
+    decode_steps = max(1, min(decode_steps, (new_tokens - 2) // 2))
+    """One prefill and decode steps in the middle of the run, on a single engine state.
+
+    prefill: region timer and torch.profiler on the same call (profiler overhead is ~1% there);
+    decode: `decode_steps` steps region-timed, then one step under torch.profiler.
+    Returns (breakdown, top ops, state) - the state is reused by the attention-layout study.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    breakdown, ops = {}, {}
     with torch.inference_mode():
         st = FlexState(llm.model, prompts, new_tokens, llm.pad_id)
-        for phase, fn, n in (("prefill", st.prefill, 1), ("decode_step", st.step, decode_steps)):
-            timer = RegionTimer()
-            with instrumented(timer):
-                t = time.perf_counter()
-                for _ in range(n):
-                    with timer.region("other (residual adds, silu*up, chunk, argmax, python)"):
-                        fn()
-                total = (time.perf_counter() - t) / n
-            regions = {k: v / n for k, v in timer.excl.items()}
-            out[phase] = {"seconds_per_call": total, "calls_averaged": n,
-                          "regions_s": dict(sorted(regions.items(), key=lambda kv: -kv[1])),
-                          "region_calls": {k: v // n for k, v in timer.calls.items()}}
-    return out
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            breakdown["prefill"] = _timed_regions(st.prefill, 1)
+        ops["prefill"] = _op_table(prof, top)
+        for _ in range(max(0, new_tokens // 2 - decode_steps)):
+            st.step()
+        breakdown["decode_step"] = _timed_regions(st.step, decode_steps)
+        breakdown["decode_step"]["kv_slots_at_start"] = st.bufs[0].used - decode_steps
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            st.step()
+        ops["decode_step"] = _op_table(prof, top)
+        ops["decode_step"]["kv_slots_attended"] = st.bufs[0].used
+    return breakdown, ops, st
+
+
+def hf_profile(hf, prompts, top=12):
+    """transformers: one prefill forward (cache on, last-token logits) and one decode step."""
+    from torch.profiler import ProfilerActivity, profile
+    ids = torch.tensor(prompts, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    res = {}
+    with torch.inference_mode():
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = hf(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        res["prefill"] = _op_table(prof, top)
+        res["prefill"]["wall_s"] = time.perf_counter() - t
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            hf(input_ids=nxt, attention_mask=mask, past_key_values=out.past_key_values,
+               use_cache=True, logits_to_keep=1)
+        res["decode_step"] = _op_table(prof, top)
+        res["decode_step"]["wall_s"] = time.perf_counter() - t
+        res["decode_step"]["kv_slots_attended"] = ids.shape[1] + 1
+    return res
 
 
 OP_CATEGORIES = [
@@ -302,24 +349,6 @@ def categorize(name: str) -> str:
                 "aten::sin", "aten::div_", "aten::argmax", "aten::add_", "aten::sub"):
         return "elementwise/reductions (rope, norms, silu*up, residual)"
     return "other (views, allocation, dispatch)"
-
-
-def profiler_top_ops(llm, prompts, new_tokens, decode_warm_steps, top):
-    """torch.profiler self-CPU time by op for one prefill and one decode step."""
-    from torch.profiler import ProfilerActivity, profile
-    res = {}
-    with torch.inference_mode():
-        st = FlexState(llm.model, prompts, new_tokens, llm.pad_id)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            st.prefill()
-        res["prefill"] = _op_table(prof, top)
-        for _ in range(decode_warm_steps):
-            st.step()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            st.step()
-        res["decode_step"] = _op_table(prof, top)
-        res["decode_step"]["kv_slots_attended"] = st.bufs[0].used
-    return res
 
 
 def _op_table(prof, top):
@@ -346,17 +375,16 @@ def _timeit(fn, reps):
     return median(ts)
 
 
-def attention_layout_study(llm, prompts, new_tokens, decode_steps, reps):
-    """Decode attention on a real buffer: copies inside bmm? current layout vs head-major."""
+def attention_layout_study(llm, st, new_tokens, reps):
+    """Decode attention on a real buffer (layer 0 of a decoding state): copies inside bmm?
+    current sequence-major layout vs contiguous head-major vs SDPA. Operands are cache-hot here
+    (the same call repeated); in a real step K/V come from DRAM, so compare with the region
+    timer's in-situ `attend` time."""
     from torch.profiler import ProfilerActivity, profile
     c = llm.config
     nh, nk, d = c.num_heads, c.num_kv_heads, c.dim_head
     g = nh // nk
     with torch.inference_mode():
-        st = FlexState(llm.model, prompts, new_tokens, llm.pad_id)
-        st.prefill()
-        for _ in range(decode_steps):
-            st.step()
         buf = st.bufs[0]
         n = buf.used + 1                           # what attend reads for the next token
         rows = buf.k.shape[1]
@@ -495,6 +523,31 @@ def agreement(a, b):
             all(len(x) == len(y) for x, y in zip(a, b))}
 
 
+def summarize(rr, B, N, L, stat):
+    full = stat(rr["full_s"])
+    ttft = stat(rr["ttft_inrun_s"])
+    dec = stat([f - p for f, p in zip(rr["full_s"], rr["ttft_inrun_s"])])
+    out = {"full_s": full, "tokens_per_s": B * N / full, "ttft_inrun_s": ttft,
+           "prefill_tokens_per_s_inrun": B * L / ttft,
+           "decode_s_from_inrun": dec, "decode_step_ms_from_inrun": dec / (N - 1) * 1e3,
+           "decode_tokens_per_s_from_inrun": B * (N - 1) / dec, "prefill_run_s": None}
+    if rr["prefill_run_s"]:
+        pre = stat(rr["prefill_run_s"])
+        out.update(prefill_run_s=pre, decode_s_from_prefill_run=full - pre,
+                   decode_step_ms_from_prefill_run=(full - pre) / (N - 1) * 1e3)
+    return out
+
+
+def print_ops(title, tp, n_ops):
+    extra = f", {tp['kv_slots_attended']} slots in cache" if "kv_slots_attended" in tp else ""
+    print(f"\n{title} (profiler self CPU {tp['self_cpu_total_ms']:.1f} ms{extra})")
+    for k, v in tp["categories_ms"].items():
+        print(f"  {k:58s}{v:9.2f} ms {100 * v / tp['self_cpu_total_ms']:5.1f}%")
+    print("  top ops by self CPU:")
+    for o in tp["top_ops"][:n_ops]:
+        print(f"    {o['op']:56s}{o['self_cpu_ms']:9.2f} ms  x{o['calls']}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -502,12 +555,19 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--json", default=None, help="write all numbers to this file")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for both systems (default: torch's own choice)")
     ap.add_argument("--no-prefill-runs", action="store_true",
                     help="skip the separate max_new_tokens=1 runs (in-run TTFT is still measured)")
-    ap.add_argument("--no-profile", action="store_true", help="skip the flexevict breakdowns")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the breakdowns (region timer, profiler, attention layout)")
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (decode time is full - prefill)")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -516,8 +576,8 @@ def main(argv=None):
 
     info = machine_info()
     threads = torch.get_num_threads()
-    print(f"torch threads: {threads} (intra-op, shared by both systems); cpu_count {os.cpu_count()}; "
-          f"torch {info['torch']}, transformers {info['transformers']}")
+    print(f"torch threads: {threads} (intra-op, the same for both systems); cpu_count "
+          f"{os.cpu_count()}; torch {info['torch']}, transformers {info['transformers']}")
 
     log("loading flexevict")
     t = time.perf_counter()
@@ -539,27 +599,30 @@ def main(argv=None):
     assert len({tuple(p) for p in prompts}) == args.batch
     runners = [FlexRunner(llm, prompts), HFRunner(hf, prompts)]
 
-    log("warm-up")
+    log("warm-up (2 new tokens each)")
     for r in runners:
         r.run(2)
 
-    runs = {r.name: {"full_s": [], "ttft_inrun_s": [], "prefill_run_s": [], "probe_gflops": []}
-            for r in runners}
+    runs = {r.name: {"full_s": [], "ttft_inrun_s": [], "prefill_run_s": [],
+                     "probe_gflops_before": [], "probe_gflops_after": []} for r in runners}
     tokens = {}
     pair_ratio = []
     for rnd in range(args.repeats):
-        order = runners if rnd % 2 == 0 else runners[::-1]
+        order = runners if rnd % 2 == 0 else runners[::-1]      # A B, B A, A B, ...
         full = {}
         for r in order:
-            g = probe_gflops()
+            g0 = probe_gflops()
             dt, ttft, out = r.run(args.new_tokens)
-            runs[r.name]["full_s"].append(dt)
-            runs[r.name]["ttft_inrun_s"].append(ttft)
-            runs[r.name]["probe_gflops"].append(g)
+            g1 = probe_gflops()
+            rr = runs[r.name]
+            rr["full_s"].append(dt)
+            rr["ttft_inrun_s"].append(ttft)
+            rr["probe_gflops_before"].append(g0)
+            rr["probe_gflops_after"].append(g1)
             tokens[r.name] = out
             full[r.name] = dt
             log(f"round {rnd + 1}/{args.repeats} {r.name:12s} full {dt:6.2f}s  ttft {ttft:5.2f}s  "
-                f"(probe {g:5.1f} GFLOP/s)")
+                f"(probe {g0:4.0f}/{g1:4.0f} GFLOP/s before/after)")
         pair_ratio.append(full["transformers"] / full["flexevict"])
         if not args.no_prefill_runs:
             for r in order:
@@ -567,128 +630,122 @@ def main(argv=None):
                 runs[r.name]["prefill_run_s"].append(dt)
                 log(f"round {rnd + 1}/{args.repeats} {r.name:12s} prefill-only {dt:6.2f}s")
 
-    B, N = args.batch, args.new_tokens
-    summary = {}
-    for name, rr in runs.items():
-        full = median(rr["full_s"])
-        ttft_in = median(rr["ttft_inrun_s"])
-        pre = median(rr["prefill_run_s"]) if rr["prefill_run_s"] else None
-        s = {"full_s": full, "tokens_per_s": B * N / full,
-             "ttft_inrun_s": ttft_in,
-             "decode_s_from_inrun": median([f - p for f, p in zip(rr["full_s"], rr["ttft_inrun_s"])]),
-             "prefill_run_s": pre}
-        s["decode_step_ms_from_inrun"] = s["decode_s_from_inrun"] / (N - 1) * 1e3
-        s["decode_tokens_per_s_from_inrun"] = B * (N - 1) / s["decode_s_from_inrun"]
-        s["prefill_tokens_per_s_inrun"] = B * args.prompt_len / ttft_in
-        if pre is not None:
-            s["decode_s_from_prefill_run"] = full - pre
-            s["decode_step_ms_from_prefill_run"] = (full - pre) / (N - 1) * 1e3
-        summary[name] = s
+    B, N, L = args.batch, args.new_tokens, args.prompt_len
+    summary = {name: summarize(rr, B, N, L, median) for name, rr in runs.items()}
+    summary_min = {name: summarize(rr, B, N, L, min) for name, rr in runs.items()}
     fx, tf = summary["flexevict"], summary["transformers"]
     ratios = {
-        "throughput_ratio_flex_over_hf (ratio of medians)": tf["full_s"] / fx["full_s"],
-        "throughput_ratio_flex_over_hf (median of per-round ratios)": median(pair_ratio),
+        "throughput_ratio_flex_over_hf": tf["full_s"] / fx["full_s"],
+        "throughput_ratio_median_of_per_round": median(pair_ratio),
+        "throughput_ratio_of_min_times": (summary_min["transformers"]["full_s"]
+                                          / summary_min["flexevict"]["full_s"]),
         "per_round_ratios": pair_ratio,
         "prefill_speed_ratio_inrun": tf["ttft_inrun_s"] / fx["ttft_inrun_s"],
         "decode_speed_ratio_inrun": tf["decode_s_from_inrun"] / fx["decode_s_from_inrun"],
+        "note": "all ratios are flexevict speed / transformers speed (>1: flexevict faster); "
+                "the first three use medians, per-round pairs and minimum times",
     }
     if fx["prefill_run_s"] is not None:
         ratios["prefill_speed_ratio_prefill_run"] = tf["prefill_run_s"] / fx["prefill_run_s"]
         ratios["decode_speed_ratio_prefill_run"] = (tf["decode_s_from_prefill_run"]
                                                     / fx["decode_s_from_prefill_run"])
     agree = agreement(tokens["flexevict"], tokens["transformers"])
-    probes = [g for rr in runs.values() for g in rr["probe_gflops"]]
+    probes = [g for rr in runs.values() for g in rr["probe_gflops_before"] + rr["probe_gflops_after"]]
+    spread = max(probes) / min(probes)
 
-    breakdown = top_ops = layout = None
+    breakdown = fops = hops = layout = None
     if not args.no_profile:
-        log("flexevict region breakdown")
-        breakdown = region_breakdown(llm, prompts, N, decode_steps=8)
-        log("torch.profiler")
-        top_ops = profiler_top_ops(llm, prompts, N, decode_warm_steps=N // 2, top=12)
-        log("decode attention layout study")
-        layout = attention_layout_study(llm, prompts, N, decode_steps=N // 2, reps=50)
+        log("flexevict: region timer + torch.profiler (prefill, decode steps)")
+        breakdown, fops, st = flex_profile(llm, prompts, N)
+        log("flexevict: decode attention layout study")
+        layout = attention_layout_study(llm, st, N, reps=50)
+        del st
+        log("transformers: torch.profiler (prefill, one decode step)")
+        hops = hf_profile(hf, prompts)
 
     # ------------------------------------------------------------------ report
     print()
-    print(f"SmolLM2-135M fp32, CPU, batch {B} x prompt {args.prompt_len} tokens (no padding), "
-          f"{N} new tokens greedy, {args.repeats} rounds, {threads} threads")
-    print(f"weights identical (layer-0 q_proj max |diff|): {wdiff:g}; load: flexevict {load_flex:.1f}s, "
+    print(f"SmolLM2-135M fp32 on CPU ({info['cpu_model']}), batch {B} x prompt {L} tokens "
+          f"(no padding), {N} new tokens greedy, {args.repeats} rounds, {threads} threads")
+    print(f"same weights (layer-0 q_proj max |diff|): {wdiff:g}; load: flexevict {load_flex:.1f}s, "
           f"transformers {load_hf:.1f}s")
-    hdr = f"{'':28s}{'flexevict':>12s}{'transformers':>14s}{'flex/HF speed':>15s}"
+    hdr = f"{'median over rounds':30s}{'flexevict':>12s}{'transformers':>14s}{'flex/HF speed':>15s}"
     print(hdr)
     print("-" * len(hdr))
 
-    def row(label, a, b, fmt="{:.3f}", speed=None):
-        sp = f"{speed:.3f}x" if speed is not None else ""
-        print(f"{label:28s}{fmt.format(a):>12s}{fmt.format(b):>14s}{sp:>15s}")
+    def row(label, a, b, fmt="{:.3f}", speed=True, inverse=False):
+        sp = ""
+        if speed:
+            sp = f"{(a / b if inverse else b / a):.3f}x"
+        print(f"{label:30s}{fmt.format(a):>12s}{fmt.format(b):>14s}{sp:>15s}")
 
-    row("full generate, median s", fx["full_s"], tf["full_s"], speed=tf["full_s"] / fx["full_s"])
-    row("  tokens/s (B*N/time)", fx["tokens_per_s"], tf["tokens_per_s"], "{:.1f}",
-        speed=fx["tokens_per_s"] / tf["tokens_per_s"])
-    row("TTFT in-run, s", fx["ttft_inrun_s"], tf["ttft_inrun_s"],
-        speed=tf["ttft_inrun_s"] / fx["ttft_inrun_s"])
+    fm, tm = summary_min["flexevict"], summary_min["transformers"]
+    row("full generate, s", fx["full_s"], tf["full_s"])
+    row("  tokens/s (B*N/time)", fx["tokens_per_s"], tf["tokens_per_s"], "{:.1f}", inverse=True)
+    row("  min over rounds, s", fm["full_s"], tm["full_s"])
+    row("prefill: TTFT in-run, s", fx["ttft_inrun_s"], tf["ttft_inrun_s"])
+    row("  prefill tokens/s", fx["prefill_tokens_per_s_inrun"], tf["prefill_tokens_per_s_inrun"],
+        "{:.0f}", inverse=True)
     if fx["prefill_run_s"] is not None:
-        row("prefill run (new=1), s", fx["prefill_run_s"], tf["prefill_run_s"],
-            speed=tf["prefill_run_s"] / fx["prefill_run_s"])
-    row("decode (full-TTFT), s", fx["decode_s_from_inrun"], tf["decode_s_from_inrun"],
-        speed=tf["decode_s_from_inrun"] / fx["decode_s_from_inrun"])
+        row("prefill: run new_tokens=1, s", fx["prefill_run_s"], tf["prefill_run_s"])
+    row("decode: full - TTFT, s", fx["decode_s_from_inrun"], tf["decode_s_from_inrun"])
     row("  per decode step, ms", fx["decode_step_ms_from_inrun"], tf["decode_step_ms_from_inrun"],
         "{:.1f}")
+    row("  decode tokens/s", fx["decode_tokens_per_s_from_inrun"],
+        tf["decode_tokens_per_s_from_inrun"], "{:.1f}", inverse=True)
     if fx["prefill_run_s"] is not None:
-        row("decode (full-prefill run), s", fx["decode_s_from_prefill_run"],
-            tf["decode_s_from_prefill_run"],
-            speed=tf["decode_s_from_prefill_run"] / fx["decode_s_from_prefill_run"])
-    print(f"\nTHROUGHPUT RATIO flexevict / transformers: "
-          f"{ratios['throughput_ratio_flex_over_hf (ratio of medians)']:.3f} (ratio of medians), "
-          f"{ratios['throughput_ratio_flex_over_hf (median of per-round ratios)']:.3f} "
-          f"(median of per-round ratios {', '.join(f'{x:.3f}' for x in pair_ratio)})")
+        row("decode: full - prefill run, s", fx["decode_s_from_prefill_run"],
+            tf["decode_s_from_prefill_run"])
+    print(f"\nTHROUGHPUT RATIO flexevict / transformers = {ratios['throughput_ratio_flex_over_hf']:.3f}"
+          f" (ratio of median times); median of per-round ratios "
+          f"{ratios['throughput_ratio_median_of_per_round']:.3f} "
+          f"[{', '.join(f'{x:.3f}' for x in pair_ratio)}]; ratio of min times "
+          f"{ratios['throughput_ratio_of_min_times']:.3f}")
     print(f"greedy tokens identical: {agree['identical_tokens']}/{agree['total_tokens']} "
           f"({agree['fraction_identical']:.4f}); identical prefix per row: "
           f"{agree['identical_prefix_per_row']}")
-    spread = max(probes) / min(probes)
-    print(f"machine-speed probe over timed runs: {min(probes):.0f}..{max(probes):.0f} GFLOP/s "
-          f"(max/min {spread:.2f})" + ("  <-- noisy machine; compare per-round ratios" if spread > 1.3 else ""))
+    print(f"machine-speed probe around timed runs: {min(probes):.0f}..{max(probes):.0f} GFLOP/s "
+          f"(max/min {spread:.2f})" + ("  <-- the machine's speed changed during the runs; trust "
+                                       "per-round ratios and min times more" if spread > 1.3 else ""))
 
     if breakdown:
         for phase in ("prefill", "decode_step"):
             b = breakdown[phase]
-            print(f"\nflexevict {phase}: {b['seconds_per_call'] * 1e3:.1f} ms per call "
-                  f"(exclusive wall time per region, average of {b['calls_averaged']})")
+            where = (f", cache {b['kv_slots_at_start']}+ slots" if phase == "decode_step" else "")
+            print(f"\nflexevict {phase}: {b['seconds_per_call'] * 1e3:.1f} ms per call (exclusive "
+                  f"wall time per region, mean of {b['calls_averaged']}{where})")
             for k, v in b["regions_s"].items():
-                print(f"  {k:58s}{v * 1e3:9.2f} ms {100 * v / b['seconds_per_call']:5.1f}%")
-        for phase in ("prefill", "decode_step"):
-            tp = top_ops[phase]
-            print(f"\ntorch.profiler, flexevict {phase} (self CPU {tp['self_cpu_total_ms']:.1f} ms"
-                  + (f", {tp['kv_slots_attended']} slots in cache" if phase == "decode_step" else "")
-                  + ")")
-            for k, v in tp["categories_ms"].items():
-                print(f"  {k:58s}{v:9.2f} ms {100 * v / tp['self_cpu_total_ms']:5.1f}%")
-            print("  top ops:")
-            for o in tp["top_ops"]:
-                print(f"    {o['op']:56s}{o['self_cpu_ms']:9.2f} ms  x{o['calls']}")
-        L = layout
-        print(f"\ndecode attention, one layer, {L['slots_attended']} slots x {L['rows']} rows x "
-              f"d={L['head_dim']} (group {L['group']}); strides K^T view {L['strides']['K_view_for_QK']}, "
-              f"V view {L['strides']['V_view']}")
+                c = b["region_calls_per_call"].get(k, 1)
+                print(f"  {k:58s}{v * 1e3:9.2f} ms {100 * v / b['seconds_per_call']:5.1f}%"
+                      f"  ({c} calls, {v / c * 1e6:.0f} us each)")
+        print_ops("flexevict prefill", fops["prefill"], 12)
+        print_ops("flexevict decode step", fops["decode_step"], 12)
+        print_ops("transformers prefill (model forward, for comparison)", hops["prefill"], 8)
+        print_ops("transformers decode step (model forward, for comparison)", hops["decode_step"], 8)
+        La = layout
+        print(f"\ndecode attention, one layer, {La['slots_attended']} slots x {La['rows']} rows x "
+              f"d={La['head_dim']} (group {La['group']}); strides K^T view "
+              f"{La['strides']['K_view_for_QK']}, V view {La['strides']['V_view']}")
         print("  ops inside bmm/baddbmm [input shapes]:")
-        for k, v in L["bmm_children_ops"].items():
+        for k, v in La["bmm_children_ops"].items():
             print(f"    {k}: {', '.join(v)}")
-        print(f"  -> bmm/baddbmm copy the K/V operands: {L['bmm_copies_operands']} "
-              f"{L['bmm_operand_copies'] or ''}")
-        per = L["per_generate_run_ms_(x layers x decode steps)"]
-        for k, v in L["median_us_per_layer_call"].items():
-            print(f"  {k:56s}{v:9.1f} us/call  {per[k]:8.1f} ms/run")
-        print(f"  numerics vs current attend: {L['numerics']}")
+        print(f"  -> bmm/baddbmm copy the K/V operands: {La['bmm_copies_operands']} "
+              f"{La['bmm_operand_copies'] or ''}  (baddbmm's copy_ of (R, g, n) is its bias input)")
+        per = La["per_generate_run_ms_(x layers x decode steps)"]
+        print(f"  {'cache-hot micro-benchmark (median of 50)':56s}{'us/call':>9s}  {'ms/run':>8s}")
+        for k, v in La["median_us_per_layer_call"].items():
+            print(f"  {k:56s}{v:9.1f}  {per[k]:8.1f}")
+        print(f"  numerics vs current attend: {La['numerics']}")
 
     result = {"benchmark": "cpu_generate", "model": "smollm2-135m", "gguf": gguf, "dtype": "float32",
-              "args": vars(args), "machine": info, "load_s": {"flexevict": load_flex,
-                                                              "transformers": load_hf},
+              "args": vars(args), "machine": info,
+              "load_s": {"flexevict": load_flex, "transformers": load_hf},
               "weights_max_abs_diff_layer0_q": wdiff,
-              "runs": runs, "summary": summary, "ratios": ratios, "token_agreement": agree,
-              "machine_probe_gflops": {"min": min(probes), "max": max(probes),
-                                       "max_over_min": spread},
-              "flexevict_region_breakdown": breakdown, "flexevict_profiler": top_ops,
-              "decode_attention_layout": layout,
+              "runs": runs, "summary_median": summary, "summary_min": summary_min,
+              "ratios": ratios, "token_agreement": agree,
+              "machine_probe_gflops": {"min": min(probes), "max": max(probes), "max_over_min": spread},
+              "flexevict_region_breakdown": breakdown, "flexevict_profiler": fops,
+              "transformers_profiler": hops, "decode_attention_layout": layout,
               "benchmark_wall_s": time.perf_counter() - T0}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

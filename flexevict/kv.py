@@ -1,11 +1,16 @@
 """The per-layer KV buffer: preallocated once per `generate`, never grown or concatenated.
 
-Layout (sequence-major, like FlexGen): K and V are `(capacity + 1, rows, head_dim)` with
+Layout (sequence-major, like FlexGen): K and V are `(slots, rows, head_dim)` with
 `rows = batch * kv_heads` (row `b * kv_heads + h`). Per slot and row: an fp32 `score` (what
-score-based policies accumulate), an int32 absolute `pos` (-1 = empty) and a `valid` flag (empty
-and padding slots are never attended). Slot `capacity` is the scratch slot: once the committed
-slots are full, the token being decoded is written there, attended, and then committed by the
-policy into a victim slot (or dropped). Until then, it goes straight into the next free slot.
+score-based policies accumulate), an int32 absolute `pos` (-1 = empty), a `valid` flag (empty
+and padding slots are never attended) and `state`, an fp32 scratchpad a policy may use (EMA,
+counters, value norms).
+
+Slots `[0, capacity)` hold committed tokens; slot `capacity` (the last) is the scratch slot.
+While committed slots are free, a decoded token goes straight into the next one; once they are
+full it is written to scratch, attended, and committed by the policy. Ring policies split the
+committed slots into a pinned prefix `[0, ring_start)` and a circular recent queue
+`[ring_start, capacity)` whose oldest entry sits at `cursor`.
 """
 from __future__ import annotations
 
@@ -19,42 +24,63 @@ class KVBuffer:
         self.k = torch.zeros(n, rows, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(n, rows, head_dim, dtype=dtype, device=device)
         self.score = torch.zeros(n, rows, dtype=torch.float32, device=device)
+        self.state = torch.zeros(n, rows, dtype=torch.float32, device=device)
         self.pos = torch.full((n, rows), -1, dtype=torch.int32, device=device)
         self.valid = torch.zeros(n, rows, dtype=torch.bool, device=device)
-        self.used = 0        # committed slots filled (the same for every row)
+        self.used = 0            # committed slots filled (the same for every row)
+        self.ring_start = 0      # ring policies: first slot of the recent queue
+        self.cursor = 0          # ring policies: slot of the oldest recent token
+        self.rows_index = torch.arange(rows, device=device)
 
     @property
     def scratch(self) -> int:
         return self.capacity
 
+    @property
+    def full(self) -> bool:
+        return self.used == self.capacity
+
+    def tensors(self):
+        return (self.k, self.v, self.score, self.state, self.pos, self.valid)
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.k, self.v, self.score, self.pos, self.valid))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def store_prompt(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                     valid: torch.Tensor) -> None:
-        """Put a prompt's K/V into slots [0, S). k, v: (S, rows, d); pos, valid: (S, rows)."""
-        s = k.shape[0]
-        if s > self.capacity:
-            raise ValueError(f"prompt of {s} tokens does not fit {self.capacity} slots")
-        self.k[:s].copy_(k)
-        self.v[:s].copy_(v)
-        self.pos[:s].copy_(pos)
-        self.valid[:s].copy_(valid)
-        self.score[:s].zero_()
-        self.used = s
+    # ------------------------------------------------------------------ prompt
+    def store_prompt(self, k, v, pos, valid, score=None, keep: torch.Tensor | None = None):
+        """Store prompt tokens. k, v: (S, rows, d); pos, valid, score: (S, rows).
 
+        keep (n, rows) selects, per row, which prompt slots to store (in order) into slots
+        [0, n); default: every token. Rows are left-aligned first (real tokens before pads),
+        so every policy sees a row's real tokens at slots [0, n_real).
+        """
+        order = left_aligned(valid)
+        if keep is not None:
+            order = order.gather(0, keep)
+        n = order.shape[0]
+        if n > self.capacity:
+            raise ValueError(f"{n} prompt tokens do not fit {self.capacity} slots")
+        self.k[:n] = _take(k, order)
+        self.v[:n] = _take(v, order)
+        self.pos[:n] = pos.gather(0, order)
+        self.valid[:n] = valid.gather(0, order)
+        self.score[:n] = score.gather(0, order) if score is not None else 0.0
+        self.state[:n] = 0.0
+        self.used = n
+
+    # ------------------------------------------------------------------ decode
     def incoming_slot(self) -> int:
         """Where the token being decoded goes before attention: the next free slot, or scratch."""
         return self.used if self.used < self.capacity else self.scratch
 
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Write one token for every row. k, v: (rows, d); pos: (rows,)."""
-        self.k[slot].copy_(k)
-        self.v[slot].copy_(v)
-        self.pos[slot].copy_(pos)
+        self.k[slot] = k
+        self.v[slot] = v
+        self.pos[slot] = pos
         self.valid[slot] = True
         self.score[slot] = 0.0
+        self.state[slot] = 0.0
 
     def attended(self, slot: int) -> int:
         """Number of leading slots attention reads when the new token sits in `slot`."""
@@ -65,9 +91,37 @@ class KVBuffer:
         if slot == self.used:
             self.used += 1
 
-    def commit_to(self, victims: torch.Tensor) -> None:
-        """Move the scratch token into `victims` (rows,) per row; victim == scratch drops it."""
-        rows = torch.arange(victims.numel(), device=victims.device)
-        for t in (self.k, self.v, self.score, self.pos, self.valid):
-            t[victims, rows] = t[self.scratch, rows]
+    def move(self, src: torch.Tensor | int, dst: torch.Tensor) -> None:
+        """Per row, copy slot src[r] into slot dst[r] (all per-slot state travels along)."""
+        rows = self.rows_index
+        for t in self.tensors():
+            t[dst, rows] = t[src, rows]
+
+    def replace(self, victims: torch.Tensor) -> None:
+        """Commit the scratch token into `victims` (rows,); a victim equal to scratch drops it."""
+        self.move(self.scratch, victims)
         self.valid[self.scratch] = False
+
+    def ring_commit(self, victims: torch.Tensor) -> None:
+        """Commit the scratch token into the recent queue.
+
+        victims (rows,): a prefix slot, or `cursor` (the oldest recent token). The oldest recent
+        token moves into a prefix victim (so it survives as a heavy hitter), the scratch token
+        takes its ring slot, and the cursor advances.
+        """
+        self.move(self.cursor, victims)          # no-op on rows whose victim is the cursor
+        self.move(self.scratch, torch.full_like(victims, self.cursor))
+        self.valid[self.scratch] = False
+        self.cursor += 1
+        if self.cursor == self.capacity:
+            self.cursor = self.ring_start
+
+
+def left_aligned(valid: torch.Tensor) -> torch.Tensor:
+    """Per row (column), slot order that puts real tokens first: (S, rows) int64 indices."""
+    return torch.sort((~valid).to(torch.int8), dim=0, stable=True).indices
+
+
+def _take(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """t (S, rows, d) gathered along slots with order (n, rows)."""
+    return t.gather(0, order.unsqueeze(-1).expand(-1, -1, t.shape[-1]))

@@ -229,16 +229,27 @@ class Transformer:
         q = q.view(b, s, nh, d).transpose(1, 2)                   # (B, H, S, d)
         k = k.view(b, s, nk, d).transpose(1, 2)                   # (B, Hk, S, d)
         v = v.view(b, s, nk, d).transpose(1, 2)
+        k_cached = k
         if inp.rope is not None:
             cos, sin = (t.unsqueeze(1) for t in inp.rope)          # (B, 1, S, d)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=inp.prefill_mask,
-                                             enable_gqa=nh != nk)
-        # buffer rows are (b, kv-head): (B, Hk, S, d) -> (S, B*Hk, d)
+            if not policy.rope_in_cache:
+                k_cached = k
+        factor = policy.logit_scale(s)
+        scale = d ** -0.5 * factor
+        scores = None
+        if policy.wants_prompt_scores():
+            out, scores = attention_with_column_sums(q, k, v, inp.prefill_mask, inp.valid, scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=inp.prefill_mask,
+                                                 enable_gqa=nh != nk,
+                                                 scale=None if factor == 1.0 else scale)
+        # buffer rows are (b, kv-head): (B, Hk, S, ...) -> (S, B*Hk, ...)
         rows = lambda t: t.permute(2, 0, 1, *range(3, t.dim())).reshape(s, b * nk, *t.shape[3:])
         pos = inp.pos.unsqueeze(1).expand(b, nk, s)
         valid = inp.valid.unsqueeze(1).expand(b, nk, s)
-        policy.prefill(buf, rows(k), rows(v), rows(pos).to(torch.int32), rows(valid))
+        policy.prefill(buf, rows(k_cached), rows(v), rows(pos).to(torch.int32), rows(valid),
+                       None if scores is None else rows(scores))
         return out.transpose(1, 2).reshape(b, s, nh * d)
 
     def _decode_attention(self, q, k, v, inp, buf, policy):
@@ -248,23 +259,67 @@ class Transformer:
         g = nh // nk
         q = q.reshape(b * nk, g, d)                                # rows = (b, kv-head)
         k = k.reshape(b * nk, d)
-        if inp.rope is not None:
+        in_cache = inp.rope is not None and policy.rope_in_cache
+        if inp.rope is not None and not in_cache:
             cos, sin = (t.repeat_interleave(nk, dim=0) for t in inp.rope)   # (R, d)
             q, k = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), apply_rope(k, cos, sin)
         slot = buf.incoming_slot()
         buf.write(slot, k, v.reshape(b * nk, d), inp.pos.repeat_interleave(nk).to(torch.int32))
         policy.before_attention(buf, slot, q)
-        out, probs = attend(q, buf, buf.attended(slot), d ** -0.5)
+        n = buf.attended(slot)
+        keys = None
+        if in_cache:
+            q, keys = self._rotate_in_cache(q, buf, n)
+        scale = d ** -0.5 * policy.logit_scale(min(n, buf.used + 1))
+        out, probs = attend(q, buf, n, scale, keys)
         policy.after_attention(buf, slot, probs)
         return out.reshape(b, nh * d)
 
+    def _rotate_in_cache(self, q, buf: KVBuffer, n: int):
+        """RoPE by in-cache rank (StreamingLLM/Cascade): keys cached before RoPE are rotated to
+        their rank among the row's valid slots, the query to the last rank. -> q, keys (n, R, d)."""
+        valid = buf.valid[:n]
+        order_key = torch.where(valid, buf.pos[:n], torch.iinfo(torch.int32).max)
+        rank = order_key.argsort(dim=0, stable=True).argsort(dim=0)          # (n, R)
+        cos, sin = rope_cos_sin(self.inv_freq, rank, q.dtype)                 # (n, R, d)
+        keys = apply_rope(buf.k[:n], cos, sin)
+        q_pos = valid.sum(dim=0) - 1                                          # (R,)
+        qcos, qsin = rope_cos_sin(self.inv_freq, q_pos, q.dtype)
+        return apply_rope(q, qcos.unsqueeze(1), qsin.unsqueeze(1)), keys
 
-def attend(q: torch.Tensor, buf: KVBuffer, n: int, scale: float):
+
+def attention_with_column_sums(q, k, v, mask, valid, scale, block: int = 256):
+    """Prefill attention that also returns each key's attention received (H2O's column sums),
+    computed over query blocks so the S x S matrix is never materialised whole.
+
+    q (B, H, S, d), k/v (B, Hk, S, d), mask (B, 1, S, S) bool, valid (B, S) ->
+    out (B, H, S, d), column sums (B, Hk, S) fp32 summed over query heads, pad queries excluded.
+    """
+    b, h, s, d = q.shape
+    hk = k.shape[1]
+    g = h // hk
+    qg = q.view(b, hk, g, s, d)
+    out = torch.empty_like(q).view(b, hk, g, s, d)
+    colsum = torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
+    kt = k.transpose(-1, -2).unsqueeze(2)                          # (B, Hk, 1, d, S)
+    for i in range(0, s, block):
+        j = min(i + block, s)
+        logits = (qg[:, :, :, i:j] @ kt).float() * scale            # (B, Hk, g, c, S)
+        logits.masked_fill_(~mask[:, :, None, i:j], float("-inf"))
+        p = logits.softmax(dim=-1)
+        out[:, :, :, i:j] = p.to(v.dtype) @ v.unsqueeze(2)
+        p = p * valid[:, None, None, i:j, None]                    # pad queries do not vote
+        colsum += p.sum(dim=(2, 3))
+    return out.view(b, h, s, d), colsum
+
+
+def attend(q: torch.Tensor, buf: KVBuffer, n: int, scale: float, keys=None):
     """Decode attention over the buffer's first n slots.
 
-    q: (R, g, d) -> out (R, g, d), probs (R, g, n) fp32 (policies sum over g for a kv head).
+    q: (R, g, d); keys: (n, R, d) to use instead of the cached keys (in-cache RoPE)
+    -> out (R, g, d), probs (R, g, n) fp32 (policies sum over g for a kv head).
     """
-    keys = buf.k[:n].transpose(0, 1)                               # (R, n, d)
+    keys = (buf.k[:n] if keys is None else keys).transpose(0, 1)  # (R, n, d)
     vals = buf.v[:n].transpose(0, 1)
     bias = torch.zeros(buf.valid.shape[1], 1, n, dtype=q.dtype, device=q.device)
     bias.masked_fill_(~buf.valid[:n].t().unsqueeze(1), float("-inf"))

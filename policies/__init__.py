@@ -19,10 +19,13 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-def get_policy(name: str, **args) -> Policy:
+def get_policy(name: str, budget: float | None = None, budget_tokens: int | None = None,
+               **args) -> Policy:
+    """A fresh policy instance (one per generate call) with its budget and arguments."""
     if name not in POLICIES:
         raise UserError(f"unknown policy '{name}'; known policies: {', '.join(POLICIES)}")
-    return POLICIES[name](**args)
+    return POLICIES[name](budget=budget, budget_tokens=budget_tokens, **args)
 
 
-from . import full  # noqa: E402,F401  (each module registers itself)
+# each module registers itself; a new policy is one file plus one name here
+from . import full, local, streaming, h2o  # noqa: E402,F401

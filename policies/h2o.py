@@ -1,0 +1,48 @@
+"""`h2o` and `h2o-ring`: Heavy-Hitter Oracle (Zhang et al. 2023, paper 001).
+
+`h2o` is the paper's policy (Sec. 5.1, App. A; seed-h2o.md §1.4): half the committed slots hold
+heavy hitters, half the most recent tokens (the current one included). A token's score is the sum
+of the attention probabilities it has received, in fp32, from every query since it entered the
+cache (prompt column sums first). Each full step evicts the lowest score among the heavy set and
+the token leaving the recent window (ties: the oldest), and reuses its slot in place.
+
+`h2o-ring` is the FlexGen integration (seed-h2o.md §1.6): one more heavy slot, one fewer recent,
+and the token leaving the window is always promoted; only heavy slots compete. From the second
+decode step on it equals `h2o` with one fewer heavy and one more recent slot.
+"""
+import torch
+
+from . import register
+from .base import RingPolicy, kv_head_probs, lowest, prefix_and_cursor
+
+
+@register
+class H2O(RingPolicy):
+    name = "h2o"
+    needs_prompt_scores = True
+
+    def prefix_slots(self, capacity: int) -> int:
+        return capacity // 2
+
+    def prefix_rank(self, scores, pos, valid):
+        return scores
+
+    def accumulate(self, buf, slot, probs):
+        n = probs.shape[-1]
+        buf.score[:n] += kv_head_probs(probs)
+
+    def choose_victim(self, buf):
+        slots = prefix_and_cursor(buf)
+        return lowest(buf, buf.score[slots], slots)
+
+
+@register
+class H2ORing(H2O):
+    name = "h2o-ring"
+
+    def prefix_slots(self, capacity: int) -> int:
+        return (capacity + 1) // 2
+
+    def choose_victim(self, buf):
+        slots = torch.arange(buf.ring_start, device=buf.k.device)
+        return lowest(buf, buf.score[slots], slots)
