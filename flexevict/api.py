@@ -18,7 +18,7 @@ from .errors import UserError
 from .generation import Sampling, generate, token_nll
 from .model import Transformer
 from .packaged import PACKAGED_MODELS
-from .policies import get_policy
+from .policies import PolicySpec
 from .tokenizer import load_tokenizer
 from .weights import DUMMY, config_for_path, open_weights
 
@@ -72,6 +72,7 @@ class LLM:
         if dtype not in DTYPES:
             raise UserError(f"unknown --dtype '{dtype}' ({', '.join(DTYPES)})")
         self.tokenizer = load_tokenizer(self.path)
+        self.resolved: list[dict] = []        # each run's policy budget, as resolved
         source = open_weights(self.path, self.config, seed)
         bar = None
         if progress:
@@ -88,15 +89,16 @@ class LLM:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[str], max_new_tokens: int = 32,
-                 sampling: Sampling = Sampling(), policy: str = "full", batch_size: int = 8,
-                 stop_ids=None, progress: bool = False) -> list[dict]:
+                 sampling: Sampling = Sampling(), policy: PolicySpec | str = "full",
+                 batch_size: int = 8, stop_ids=None, progress: bool = False) -> list[dict]:
         """-> one dict per prompt, in order: {"completion", "tokens", "ids"}.
 
-        Prompts are grouped by length into batches of `batch_size` to limit padding.
+        Prompts are grouped by length into batches of `batch_size` to limit padding. The
+        policy's resolved budget of each batch is appended to `self.resolved`.
         """
         if batch_size < 1:
             raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
-        pol = get_policy(policy)
+        spec = as_spec(policy)
         stop = tuple(self.config.eos_token_ids) if stop_ids is None else tuple(stop_ids)
         encoded = [self.tokenizer.encode(p) for p in prompts]
         order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
@@ -108,8 +110,10 @@ class LLM:
             bar = tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr,
                        disable=None)
         for batch in batches:
+            pol = spec.make()
             outs = generate(self.model, [encoded[i] for i in batch], max_new_tokens, pol,
                             sampling, stop, self.pad_id)
+            self.resolved.append(pol.describe())
             for i, ids in zip(batch, outs):
                 results[i] = {"completion": self.tokenizer.decode(ids), "tokens": len(ids),
                               "ids": ids}
@@ -125,14 +129,24 @@ class LLM:
         return c.pad_token_id if c.pad_token_id is not None else (c.eos_token_ids or (0,))[0]
 
     # ------------------------------------------------------------------ scoring
-    def score_ids(self, ids: list[int], policy: str = "full") -> dict:
+    def score_ids(self, ids: list[int], policy: PolicySpec | str = "full",
+                  prefill_tokens: int | None = None) -> dict:
+        """Perplexity of ids; with eviction, tokens after the prefill go one at a time through
+        the decode path. -> {"tokens", "nll", "ppl", "slots"}."""
         if len(ids) < 2:
             raise UserError(f"text has {len(ids)} token(s); perplexity needs at least 2")
-        nll = token_nll(self.model, ids, get_policy(policy))
+        pol = as_spec(policy).make()
+        nll = token_nll(self.model, ids, pol, prefill_tokens)
         mean = float(nll.double().mean())
-        return {"tokens": len(ids), "nll": mean, "ppl": math.exp(mean)}
+        self.resolved.append(pol.describe())
+        return {"tokens": len(ids), "nll": mean, "ppl": math.exp(mean), "slots": pol.slots}
 
-    def score(self, text: str, max_tokens: int | None = None, policy: str = "full") -> dict:
+    def score(self, text: str, max_tokens: int | None = None, policy: PolicySpec | str = "full",
+              prefill_tokens: int | None = None) -> dict:
         """Perplexity of the text's first max_tokens tokens (tokenized without special tokens)."""
         ids = self.tokenizer.encode(text, special=False)
-        return self.score_ids(ids[:max_tokens] if max_tokens else ids, policy)
+        return self.score_ids(ids[:max_tokens] if max_tokens else ids, policy, prefill_tokens)
+
+
+def as_spec(policy: PolicySpec | str) -> PolicySpec:
+    return PolicySpec(policy) if isinstance(policy, str) else policy

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from .config import known_names
 from .errors import UserError
@@ -19,7 +20,33 @@ def add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: float32 on CPU, float16 on GPU")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and sampling")
+    add_policy_args(p)
+
+
+def add_policy_args(p: argparse.ArgumentParser):
     p.add_argument("--policy", default="full", help="KV eviction policy (default full)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="KV slots per (sequence, layer, kv-head) as a fraction of prompt + "
+                        "generated tokens, in (0, 1]")
+    p.add_argument("--budget-tokens", type=int, default=None, help="KV slots, absolute")
+    p.add_argument("--policy-arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a policy parameter (repeatable)")
+
+
+def policy_spec(args):
+    from .policies import PolicySpec
+    if args.budget is not None and args.budget_tokens is not None:
+        raise UserError("give --budget or --budget-tokens, not both")
+    return PolicySpec.parse(args.policy, args.budget, args.budget_tokens, args.policy_arg)
+
+
+def print_resolved(resolved: list[dict]):
+    """Every CLI prints the policy's resolved slots (once per distinct resolution)."""
+    seen = []
+    for r in resolved:
+        if r not in seen:
+            seen.append(r)
+            print("policy " + " ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr)
 
 
 def load_llm(args, progress: bool = True):

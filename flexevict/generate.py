@@ -9,7 +9,8 @@ import argparse
 import os
 import sys
 
-from .cli import add_model_args, load_llm, read_jsonl_prompts, write_jsonl_atomic
+from .cli import (add_model_args, load_llm, policy_spec, print_resolved, read_jsonl_prompts,
+                  write_jsonl_atomic)
 from .errors import UserError, cli_errors
 from .generation import Sampling
 
@@ -45,10 +46,11 @@ def main(argv=None):
         sampling = Sampling(greedy=args.temperature is None, temperature=args.temperature or 1.0,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         sampling.check()
+        spec = policy_spec(args)
         llm = load_llm(args)
         outs = llm.generate([r["prompt"] for r in rows], args.max_new_tokens, sampling,
-                            policy=args.policy, batch_size=args.batch_size,
-                            progress=len(rows) > 1)
+                            policy=spec, batch_size=args.batch_size, progress=len(rows) > 1)
+        print_resolved(llm.resolved)
         if args.input:
             write_jsonl_atomic(args.output, [{**r, "completion": o["completion"],
                                               "tokens": o["tokens"]} for r, o in zip(rows, outs)])

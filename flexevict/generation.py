@@ -133,15 +133,34 @@ def _cut_at_stop(row: list[int], stop_ids) -> list[int]:
 
 
 @torch.inference_mode()
-def token_nll(model: Transformer, ids: list[int], policy, chunk: int = 256) -> torch.Tensor:
-    """Teacher-forced NLL of ids[1:] given their prefixes, from one prefill -> (N-1,) fp32."""
-    check_length(model, len(ids), 1)
-    tokens, valid, pos = left_pad([ids], 0, model.device)
-    bufs = allocate(model, policy.capacity(len(ids), 1), 1)
-    h = forward(model, tokens, model.step_input(pos, valid), bufs, policy)[0, :-1]
-    target = tokens[0, 1:]
-    nll = []
-    for i in range(0, h.shape[0], chunk):        # chunked so (N, V) logits never materialise
-        logp = torch.log_softmax(model.head(h[i:i + chunk]), dim=-1)
-        nll.append(-logp.gather(1, target[i:i + chunk, None]).squeeze(1))
+def token_nll(model: Transformer, ids: list[int], policy, prefill_tokens: int | None = None,
+              chunk: int = 256) -> torch.Tensor:
+    """Teacher-forced NLL of ids[1:] given their prefixes -> (N-1,) fp32.
+
+    Without eviction: one prefill. With eviction: a prefill of `prefill_tokens` (default: the
+    policy's slot count), then one token at a time through the decode path, evicting exactly
+    as generation does.
+    """
+    n = len(ids)
+    check_length(model, n - 1, 1)
+    policy.capacity(n - 1, 1)                      # resolve the slots for n tokens in all
+    p0 = n - 1 if not policy.evicts else min(prefill_tokens or policy.slots, n - 1)
+    if p0 < 1:
+        raise UserError(f"--prefill-tokens must be >= 1 (got {p0})")
+    tokens = torch.tensor([ids], dtype=torch.long, device=model.device)
+    bufs = allocate(model, policy.capacity(p0, n - p0), 1)
+    valid = torch.ones(1, p0, dtype=torch.bool, device=model.device)
+    pos = torch.arange(p0, device=model.device).unsqueeze(0)
+    h = forward(model, tokens[:, :p0], model.step_input(pos, valid), bufs, policy)[0]
+    nll = [_nll(model, h[i:i + chunk], tokens[0, i + 1:i + 1 + chunk]) for i in range(0, p0, chunk)]
+    for t in range(p0, n - 1):
+        step = model.step_input(torch.full((1,), t, device=model.device), None)
+        h = forward(model, tokens[:, t], step, bufs, policy)
+        nll.append(_nll(model, h, tokens[0, t + 1:t + 2]))
     return torch.cat(nll)
+
+
+def _nll(model: Transformer, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """h (n, D), target (n,) -> NLL (n,); chunked callers keep (n, V) logits small."""
+    logp = torch.log_softmax(model.head(h), dim=-1)
+    return -logp.gather(1, target[:, None]).squeeze(1)

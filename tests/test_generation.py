@@ -249,9 +249,10 @@ def test_max_positions(arch):
         run(model, [prompt], n=4)
     with pytest.raises(UserError, match="maximum"):
         run(model, [prompt[:2], prompt + [1, 2, 3]], n=1)
-    assert token_nll(model, prompt + [1, 2], get_policy("full")).shape == (31,)
+    # scoring feeds every token but the last (it is only a target): 33 tokens use 0..31
+    assert token_nll(model, prompt + [1, 2, 3], get_policy("full")).shape == (32,)
     with pytest.raises(UserError, match="maximum"):
-        token_nll(model, prompt + [1, 2, 3], get_policy("full"))
+        token_nll(model, prompt + [1, 2, 3, 4], get_policy("full"))
 
 
 # ------------------------------------------------------------------ (f) one KV allocation
