@@ -81,8 +81,9 @@ def check_length(model: Transformer, prompt_len: int, new_tokens: int):
 
 def allocate(model: Transformer, capacity: int, batch: int) -> list[KVBuffer]:
     c = model.config
-    return [KVBuffer(capacity, batch * c.num_kv_heads, c.dim_head, model.dtype, model.device)
-            for _ in range(c.num_layers)]
+    return [KVBuffer(capacity, batch * c.num_kv_heads, c.dim_head, model.dtype, model.device,
+                     kv_heads=c.num_kv_heads, layer=j)
+            for j in range(c.num_layers)]
 
 
 def forward(model: Transformer, tokens, inp, bufs, policy) -> torch.Tensor:
@@ -152,7 +153,8 @@ def token_nll(model: Transformer, ids: list[int], policy, prefill_tokens: int | 
     valid = torch.ones(1, p0, dtype=torch.bool, device=model.device)
     pos = torch.arange(p0, device=model.device).unsqueeze(0)
     h = forward(model, tokens[:, :p0], model.step_input(pos, valid), bufs, policy)[0]
-    nll = [_nll(model, h[i:i + chunk], tokens[0, i + 1:i + 1 + chunk]) for i in range(0, p0, chunk)]
+    target = tokens[0, 1:p0 + 1]
+    nll = [_nll(model, h[i:i + chunk], target[i:i + chunk]) for i in range(0, p0, chunk)]
     for t in range(p0, n - 1):
         step = model.step_input(torch.full((1,), t, device=model.device), None)
         h = forward(model, tokens[:, t], step, bufs, policy)

@@ -18,9 +18,12 @@ import torch
 
 
 class KVBuffer:
-    def __init__(self, capacity: int, rows: int, head_dim: int, dtype, device):
+    def __init__(self, capacity: int, rows: int, head_dim: int, dtype, device, kv_heads: int = 1,
+                 layer: int = 0):
         n = capacity + 1
         self.capacity = capacity
+        self.kv_heads = kv_heads  # rows = batch * kv_heads, row b * kv_heads + h
+        self.layer = layer        # lets a policy keep per-layer constants (HashEvict's projection)
         self.k = torch.zeros(n, rows, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(n, rows, head_dim, dtype=dtype, device=device)
         self.score = torch.zeros(n, rows, dtype=torch.float32, device=device)

@@ -239,7 +239,8 @@ class Transformer:
         scale = d ** -0.5 * factor
         scores = None
         if policy.wants_prompt_scores():
-            out, scores = attention_with_column_sums(q, k, v, inp.prefill_mask, inp.valid, scale)
+            out, scores = attention_with_column_sums(q, k, v, inp.prefill_mask, inp.valid, scale,
+                                                     fold=policy.prompt_scores)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=inp.prefill_mask,
                                                  enable_gqa=nh != nk,
@@ -248,8 +249,11 @@ class Transformer:
         rows = lambda t: t.permute(2, 0, 1, *range(3, t.dim())).reshape(s, b * nk, *t.shape[3:])
         pos = inp.pos.unsqueeze(1).expand(b, nk, s)
         valid = inp.valid.unsqueeze(1).expand(b, nk, s)
+        extra = {}
+        if policy.needs_prompt_queries and policy.evicts:
+            extra["q"] = q.view(b, nk, nh // nk, s, d).permute(3, 0, 1, 2, 4).reshape(s, b * nk, nh // nk, d)
         policy.prefill(buf, rows(k_cached), rows(v), rows(pos).to(torch.int32), rows(valid),
-                       None if scores is None else rows(scores))
+                       None if scores is None else rows(scores), **extra)
         return out.transpose(1, 2).reshape(b, s, nh * d)
 
     def _decode_attention(self, q, k, v, inp, buf, policy):
@@ -288,19 +292,21 @@ class Transformer:
         return apply_rope(q, qcos.unsqueeze(1), qsin.unsqueeze(1)), keys
 
 
-def attention_with_column_sums(q, k, v, mask, valid, scale, block: int = 256):
+def attention_with_column_sums(q, k, v, mask, valid, scale, block: int = 256, fold=None):
     """Prefill attention that also returns each key's attention received (H2O's column sums),
     computed over query blocks so the S x S matrix is never materialised whole.
 
     q (B, H, S, d), k/v (B, Hk, S, d), mask (B, 1, S, S) bool, valid (B, S) ->
     out (B, H, S, d), column sums (B, Hk, S) fp32 summed over query heads, pad queries excluded.
+    fold(acc, p, first, valid) replaces the column sum with a policy's own prompt statistic;
+    p (B, Hk, g, c, S) fp32 are the probabilities of query rows [first, first + c).
     """
     b, h, s, d = q.shape
     hk = k.shape[1]
     g = h // hk
     qg = q.view(b, hk, g, s, d)
     out = torch.empty_like(q).view(b, hk, g, s, d)
-    colsum = torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
+    colsum = None if fold else torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
     kt = k.transpose(-1, -2).unsqueeze(2)                          # (B, Hk, 1, d, S)
     for i in range(0, s, block):
         j = min(i + block, s)
@@ -308,8 +314,11 @@ def attention_with_column_sums(q, k, v, mask, valid, scale, block: int = 256):
         logits.masked_fill_(~mask[:, :, None, i:j], float("-inf"))
         p = logits.softmax(dim=-1)
         out[:, :, :, i:j] = p.to(v.dtype) @ v.unsqueeze(2)
-        p = p * valid[:, None, None, i:j, None]                    # pad queries do not vote
-        colsum += p.sum(dim=(2, 3))
+        if fold:
+            colsum = fold(colsum, p, i, valid)
+        else:
+            p = p * valid[:, None, None, i:j, None]                # pad queries do not vote
+            colsum += p.sum(dim=(2, 3))
     return out.view(b, h, s, d), colsum
 
 

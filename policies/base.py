@@ -25,6 +25,9 @@ class Policy:
     min_slots = 2                   # at least one committed slot and the scratch slot
     needs_prompt_scores = False     # prefill must compute attention column sums
     rope_in_cache = False           # LLaMA: cache keys before RoPE, rotate by in-cache rank
+    prompt_scores = None            # or fold(acc, p, first, valid): the prompt statistic that
+                                    # `prefill` gets instead of column sums (see model.py)
+    needs_prompt_queries = False    # prefill also gets the prompt queries q=(S, rows, g, d)
 
     def __init__(self, budget: float | None = None, budget_tokens: int | None = None, **args):
         unknown = set(args) - set(self.args)
@@ -55,7 +58,7 @@ class Policy:
             slots = math.floor(self.budget * total)
         else:
             slots = total
-        if slots < self.minimum_slots():
+        if slots < self.minimum_slots() and slots < total:   # holding everything is always fine
             raise UserError(f"budget of {slots} slots is below policy '{self.name}'s minimum of "
                             f"{self.minimum_slots()}; raise --budget or --budget-tokens")
         self.slots = min(slots, total)

@@ -1,0 +1,274 @@
+"""`hashevict`: HashEvict, LSH-based pre-attention KV eviction (Liu et al., arXiv 2412.16187;
+paper 003, seed-hashevict.md).
+
+Rule (paper Sec. 2 Eq. 2-3, Sec. 3 Eq. 5-6 and Algorithm 1, Sec. 4 "Configuration"):
+
+- Hash: a fixed Gaussian projection R (c x d, entries N(0, 1)); h(x) = Heaviside(R x), bit j = 1
+  iff (R x)_j >= 0 (seed §1.1, §5.7). Keys are hashed once, post-RoPE (what attention sees; seed
+  §1.7, §5.5), when they are written; queries are hashed each step.
+- Each decode step, BEFORE attention (Algorithm 1 line 1): among the eviction candidates, evict
+  the cached key with the largest Hamming distance popcount(h(q_t) XOR h(k_j)) from the current
+  query; the new token takes its place and attends over the kept set only (the victim is masked
+  out before attention, Algorithm 1 line 6). Memoryless: no accumulation, no decay (seed §5.11).
+- Always kept (Sec. 4): the first `sinks`=4 tokens and the `recent`=10 most recent cached tokens,
+  i.e. positions >= t - 10 for the token t being decoded (seed §5.8, the authors' code). Both count
+  inside the budget. Empty slots are filled before anything is evicted.
+
+Layout (a `RingPolicy`): the prefix holds the sinks and the candidates, the ring holds the
+`recent + 1` most recent cached tokens, so its oldest entry (the one leaving the protected window,
+position t - 11) is the only ring token that competes: candidates = non-sink prefix slots + the
+ring's oldest (seed §1.8(b) needs exactly this: its candidates are positions 3, 5, 7 of
+[0, 3, 5, 7, 8, 9] with 2 recent protected). `ring_commit` then moves the oldest recent token
+into the victim's slot (where it is a candidate from then on) and the new token into the ring.
+A valid sink slot is never a victim; an empty one (a row whose prompt had fewer than `sinks`
+tokens) is filled like any empty slot, by the oldest token leaving the ring.
+
+Decisions on ambiguities (seed §5):
+- §5.1 query vs key hash: the query (the paper), `hash_source=key` compares the new token's key
+  hash instead (the authors' code).
+- §5.2 q_t (available before attention), not q_{t-1}.
+- §5.3 GQA: one decision per kv head; the distance is the SUM over the group's query heads of
+  their Hamming distances (MHA: group of one, the paper's per-head rule).
+- §5.4 ties (frequent: distances are integers in [0, c]): the oldest (smallest position) among
+  the maximal-distance candidates; layout independent. No `lowest_slot` option: our slot layout
+  differs from the authors' code, so slot-index parity would mean nothing.
+- §5.6 R: deterministic given `seed`; one R per layer, shared by that layer's heads, seeded from
+  (seed, layer) where the layer is `buf.layer`; deterministic and independent of batch split and
+  placement. R never changes mid-run.
+- §5.9 prefill: `replay` (default, the seed's recommendation): attention over the whole prompt
+  is the normal SDPA prefill (no attention column sums, `needs_prompt_scores = False`), then
+  Algorithm 1's decisions are replayed over t = C .. N-1 with the prompt tokens' query and key
+  hashes (the paper's Sec. 3 "Prompt Encoding Stage": fill the first C tokens, then the same
+  per-step rule), batched over rows, O((N - C) * C) popcounts per row. Only hashes are touched in
+  the loop; K/V are gathered once at the end. It equals the sequential paper semantics at layer 0.
+  The prefill hook receives the prompt queries only if the engine passes them (`q=`, see the
+  report); without them the replay uses each prompt token's key hash as its query hash (the
+  authors' code's comparison). `prefill=recent_global` keeps the first `sinks` and the last
+  C - sinks prompt tokens (the authors' code's default prompt compression).
+- Storage (the brief's choice): codes are packed 32 bits per int64 word. With c <= 24 (default
+  16) the single word is stored exactly in the fp32 `buf.state` of the key's slot, so it moves
+  with the token in every `move`/`replace`/`ring_commit` and counts in `buf.nbytes()`. With
+  c > 24 (the paper's c = 32 / 64 ablation, Table 10) the codes live in `buf.hash`, an int64
+  tensor (slots, rows, words) allocated once on first use, which this policy moves itself in
+  the ring commit (it is not part of `buf.tensors()`).
+
+With a budget >= prompt + gen nothing is hashed and nothing moves (logits bit-identical to full).
+"""
+from __future__ import annotations
+
+import torch
+
+from flexevict.errors import UserError
+from flexevict.kv import KVBuffer, left_aligned
+
+from . import register
+from .base import RingPolicy, _aligned, lowest
+
+WORD_BITS = 32          # hash bits per int64 word (values stay non-negative)
+STATE_BITS = 24         # fp32 holds every integer below 2**24 exactly
+
+
+# ------------------------------------------------------------------------------ hashing
+
+def projection(bits: int, head_dim: int, seed: int, layer: int = 0) -> torch.Tensor:
+    """The Gaussian LSH matrix R (bits, head_dim) fp32 on CPU, fixed by (seed, layer)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
+    return torch.randn(bits, head_dim, generator=gen)
+
+
+def hash_codes(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """SimHash codes: x (..., d) -> (..., words) int64; bit j of the code (bit j % 32 of word
+    j // 32) is 1 iff (R x)_j >= 0 (the paper's Heaviside, Eq. 2)."""
+    bits = (x.to(torch.float32) @ proj.t()) >= 0                     # (..., c)
+    c = bits.shape[-1]
+    words = -(-c // WORD_BITS)
+    bits = torch.nn.functional.pad(bits.to(torch.int64), (0, words * WORD_BITS - c))
+    weight = torch.ones(WORD_BITS, dtype=torch.int64, device=x.device) << \
+        torch.arange(WORD_BITS, device=x.device)
+    return (bits.view(*bits.shape[:-1], words, WORD_BITS) * weight).sum(-1)
+
+
+def popcount(x: torch.Tensor) -> torch.Tensor:
+    """Set bits of each non-negative int64 below 2**32 (SWAR; torch has no popcount)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    x = x + (x >> 8)
+    return (x + (x >> 16)) & 0x3F
+
+
+def hamming(hq: torch.Tensor, hk: torch.Tensor) -> torch.Tensor:
+    """Distance of every key code to a kv head's query codes, summed over its query heads.
+
+    hq (rows, group, words), hk (n, rows, words) -> (n, rows) int64."""
+    return popcount(hq.unsqueeze(0) ^ hk.unsqueeze(2)).sum(dim=(-1, -2))
+
+
+# ------------------------------------------------------------------------------ policy
+
+@register
+class HashEvict(RingPolicy):
+    name = "hashevict"
+    args = {"sinks": 4, "recent": 10, "hash_bits": 16, "seed": 0,
+            "hash_source": "query", "prefill": "replay"}
+    needs_prompt_scores = False        # attention-free: plain SDPA prefill
+    needs_prompt_queries = True        # the replay hashes the prompt queries
+    needs_prompt_queries = True        # the replay prefill wants the prompt queries (q=)
+
+    def __init__(self, budget=None, budget_tokens=None, **args):
+        super().__init__(budget=budget, budget_tokens=budget_tokens, **args)
+        o = self.opts
+        if o["sinks"] < 0 or o["recent"] < 0:
+            raise UserError(f"--policy-arg sinks/recent must be >= 0 (got sinks={o['sinks']}, "
+                            f"recent={o['recent']})")
+        if not 1 <= o["hash_bits"] <= 1024:
+            raise UserError(f"--policy-arg hash_bits must be in [1, 1024] (got {o['hash_bits']})")
+        if o["hash_source"] not in ("query", "key"):
+            raise UserError(f"--policy-arg hash_source must be 'query' or 'key' "
+                            f"(got {o['hash_source']!r})")
+        if o["prefill"] not in ("replay", "recent_global"):
+            raise UserError(f"--policy-arg prefill must be 'replay' or 'recent_global' "
+                            f"(got {o['prefill']!r})")
+        self.words = -(-o["hash_bits"] // WORD_BITS)
+        self.in_state = o["hash_bits"] <= STATE_BITS
+
+    # ------------------------------------------------------------------ sizing
+    def minimum_slots(self) -> int:
+        # sinks + one prefix candidate + ring (recent + the oldest, a candidate) + scratch
+        return self.opts["sinks"] + self.opts["recent"] + 3
+
+    def prefix_slots(self, capacity: int) -> int:
+        # >= sinks + 1 whenever the run evicts (minimum_slots); a budget that holds the whole
+        # run may be smaller than the minimum and never reaches the ring commit
+        return max(capacity - (self.opts["recent"] + 1), 0)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "hash_storage": "state" if self.in_state else "buf.hash"}
+
+    # ------------------------------------------------------------------ per-slot codes
+    def _proj(self, buf: KVBuffer) -> torch.Tensor:
+        if getattr(buf, "hash_proj", None) is None:
+            r = projection(self.opts["hash_bits"], buf.k.shape[-1], self.opts["seed"],
+                           getattr(buf, "layer", 0))
+            buf.hash_proj = r.to(buf.k.device)
+        return buf.hash_proj
+
+    def _put(self, buf: KVBuffer, index, codes: torch.Tensor) -> None:
+        """Store codes (..., rows, words) at slot(s) `index`."""
+        if self.in_state:
+            buf.state[index] = codes[..., 0].to(torch.float32)
+            return
+        if getattr(buf, "hash", None) is None:
+            buf.hash = torch.zeros(buf.capacity + 1, buf.k.shape[1], self.words,
+                                   dtype=torch.int64, device=buf.k.device)
+        buf.hash[index] = codes
+
+    def _get(self, buf: KVBuffer, index) -> torch.Tensor:
+        """Codes (..., rows, words) of slot(s) `index`."""
+        if self.in_state:
+            return buf.state[index].to(torch.int64).unsqueeze(-1)
+        return buf.hash[index]
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, buf, k, v, pos, valid, scores=None, q=None):
+        """k, v (S, rows, d); pos, valid (S, rows); q (S, rows, group, d) post-RoPE prompt
+        queries when the engine passes them."""
+        buf.ring_start = buf.cursor = self.prefix
+        if not self.evicts:
+            return buf.store_prompt(k, v, pos, valid)
+        s = k.shape[0]
+        order = left_aligned(valid)
+        k, v, pos, valid, _ = _aligned(k, v, pos, valid, None, order)
+        proj = self._proj(buf)
+        kh = hash_codes(k, proj)                                   # (S, rows, W)
+        n_real = valid.sum(dim=0)                                  # (rows,)
+        sinks, ring = self.opts["sinks"], self.ring
+        npool = self.prefix - sinks
+        dev = k.device
+        j = torch.arange(npool, device=dev).unsqueeze(1)
+        mid_end = n_real - ring                                    # middle tokens: [sinks, mid_end)
+        if self.opts["prefill"] == "recent_global":
+            idx = mid_end - npool + j
+            pool = torch.where(idx >= sinks, idx, -1)
+        else:
+            idx = sinks + j
+            pool = torch.where(idx < mid_end, idx, -1)
+            if s > buf.capacity:
+                if self.opts["hash_source"] == "query" and q is not None:
+                    qh = hash_codes(q.gather(0, order[:, :, None, None].expand_as(q)), proj)
+                else:
+                    qh = kh.unsqueeze(2)                            # (S, rows, 1, W)
+                pool = self._replay(pool, kh, qh, n_real, s, buf.capacity)
+        self._store(buf, k, v, pos, valid, kh, pool, n_real)
+
+    def _replay(self, pool, kh, qh, n_real, s, capacity):
+        """Algorithm 1 over prompt tokens t = capacity .. S-1 on token indices only.
+
+        At step t the candidates are the pool (non-sink prefix) and the token leaving the ring,
+        a = t - ring; the one with the largest (distance, -index) goes. Rows are independent;
+        a row takes part while t < its length. -> the final pool (P, rows)."""
+        ring = self.ring
+        rows = torch.arange(pool.shape[1], device=pool.device)
+        big = s + 1                                      # key = dist * big + (s - index)
+        pool_h = kh.gather(0, pool.clamp(min=0).unsqueeze(-1).expand(-1, -1, kh.shape[-1]))
+        # the arrivals' distances for all steps at once
+        ts = torch.arange(capacity, s, device=pool.device)
+        d_arr = popcount(qh[capacity:] ^ kh[capacity - ring:s - ring].unsqueeze(2)).sum((-1, -2))
+        key_arr = d_arr * big + (s - (ts - ring)).unsqueeze(1)    # (T, rows)
+        for i, t in enumerate(range(capacity, s)):
+            a = t - ring
+            key = hamming(qh[t], pool_h) * big + (s - pool)         # (P, rows)
+            best, slot = key.max(dim=0)
+            evict = (best > key_arr[i]) & (t < n_real)               # else the arrival goes
+            pool[slot, rows] = torch.where(evict, a, pool[slot, rows])
+            pool_h[slot, rows] = torch.where(evict.unsqueeze(-1), kh[a], pool_h[slot, rows])
+        return pool
+
+    def _store(self, buf, k, v, pos, valid, kh, pool, n_real):
+        """Lay the kept tokens out: sinks, the pool in position order, then the last `ring`
+        tokens right-aligned in the ring (a short row's holes sit at the ring's oldest end, so
+        the ring stays a FIFO of the most recent tokens). Holes are invalid."""
+        dev = k.device
+        sinks, ring = self.opts["sinks"], self.ring
+        sink = torch.arange(sinks, device=dev).unsqueeze(1).expand(-1, n_real.shape[0])
+        far = torch.iinfo(torch.int64).max
+        pool = torch.where(pool >= 0, pool, far).sort(dim=0).values
+        recent = n_real - ring + torch.arange(ring, device=dev).unsqueeze(1)
+        keep = torch.cat([sink, pool, recent])                            # (capacity, rows)
+        ok = torch.cat([sink < n_real, pool != far, recent >= max(sinks, 0)])
+        keep = torch.where(ok, keep, 0)
+        buf.store_prompt(k, v, pos, valid, keep=keep)
+        c = buf.capacity
+        buf.valid[:c] &= ok
+        buf.pos[:c].masked_fill_(~ok, -1)
+        self._put(buf, slice(0, c), kh.gather(0, keep.unsqueeze(-1).expand(-1, -1, kh.shape[-1])))
+
+    # ------------------------------------------------------------------ decode
+    def before_attention(self, buf, slot, q):
+        """Hash the new key; when the buffer is full, pick each row's victim from the current
+        query's hash and mask it out of this step's attention (Algorithm 1 lines 1-2, 6)."""
+        if not self.evicts:
+            return
+        proj = self._proj(buf)
+        hk = hash_codes(buf.k[slot], proj)                          # (rows, W)
+        self._put(buf, slot, hk)
+        if slot != buf.scratch:
+            return
+        hq = hash_codes(q, proj) if self.opts["hash_source"] == "query" else hk.unsqueeze(1)
+        cand = torch.cat([torch.arange(buf.ring_start, device=buf.k.device),
+                          torch.tensor([buf.cursor], device=buf.k.device)])
+        value = -hamming(hq, self._get(buf, cand)).to(torch.float32)        # (n, rows)
+        value[:self.opts["sinks"]] = float("inf")                           # valid sinks stay
+        victims = lowest(buf, value, cand)          # empty first, else farthest; ties: oldest
+        buf.valid[victims, buf.rows_index] = False
+        buf.hash_victims = victims
+
+    def after_attention(self, buf, slot, probs):
+        if slot != buf.scratch:
+            return buf.commit_appended(slot)
+        victims = buf.hash_victims
+        if not self.in_state:                       # mirror ring_commit's moves on buf.hash
+            h, rows = buf.hash, buf.rows_index
+            h[victims, rows] = h[buf.cursor, rows]
+            h[buf.cursor] = h[buf.scratch]
+        buf.ring_commit(victims)
