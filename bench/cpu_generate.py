@@ -475,6 +475,162 @@ def attention_layout_study(llm, st, new_tokens, reps):
             "numerics": agree}
 
 
+# ------------------------------------------------------------------------------ what-ifs
+# Candidate engine changes, measured here by patching the engine from outside for the duration
+# of one measurement (flexevict/ itself is not modified).
+
+def onednn_available() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+@contextmanager
+def onednn_linear(model):
+    """Route the engine's `linear` through oneDNN with every weight prepacked once (what
+    inductor's CPU weight-prepack does), instead of F.linear -> MKL sgemm. Yields packing seconds."""
+    lp, reorder = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
+    packed = {}
+    t = time.perf_counter()
+    weights = [w[k] for w in model.layers for k in ("wqkv", "wo", "wgu", "wd", "w1", "w2")
+               if w.get(k) is not None] + [model.outer["lm_head"]]
+    with torch.inference_mode():
+        for w in weights:
+            packed[id(w)] = (w, reorder(w))          # keep w alive so its id stays unique
+    pack_s = time.perf_counter() - t
+    real = fmodel.linear
+
+    def linear(x, w, b=None):
+        p = packed.get(id(w))
+        if p is None:
+            return real(x, w, b)
+        return lp(x, p[1], b, "none", [], "")
+
+    fmodel.linear = linear
+    try:
+        yield pack_s
+    finally:
+        fmodel.linear = real
+
+
+def whatif_onednn(llm, flex_runner, hf_runner, prompts, new_tokens, hf_tokens):
+    """A full flexevict generate with oneDNN-prepacked linears, paired with a transformers run,
+    plus the region breakdown of a prefill and decode steps under the same change."""
+    with onednn_linear(llm.model) as pack_s:
+        flex_runner.run(2)                                           # warm the new primitives
+        g0 = probe_gflops()
+        dt, ttft, out = flex_runner.run(new_tokens)
+        g1 = probe_gflops()
+        log(f"what-if oneDNN   flexevict    full {dt:6.2f}s  ttft {ttft:5.2f}s  "
+            f"(probe {g0:4.0f}/{g1:4.0f})")
+    g2 = probe_gflops()
+    dth, ttfth, _ = hf_runner.run(new_tokens)
+    log(f"what-if pair     transformers full {dth:6.2f}s  ttft {ttfth:5.2f}s  (probe {g2:4.0f})")
+    with onednn_linear(llm.model), torch.inference_mode():
+        st = FlexState(llm.model, prompts, new_tokens, llm.pad_id)
+        pre = _timed_regions(st.prefill, 1)
+        steps = max(1, min(8, (new_tokens - 2) // 2))
+        for _ in range(max(0, new_tokens // 2 - steps)):
+            st.step()
+        dec = _timed_regions(st.step, steps)
+        del st
+    return {"pack_s": pack_s, "flex_full_s": dt, "flex_ttft_s": ttft,
+            "flex_decode_step_ms": (dt - ttft) / (new_tokens - 1) * 1e3,
+            "hf_full_s": dth, "hf_ttft_s": ttfth,
+            "paired_throughput_ratio_flex_over_hf": dth / dt,
+            "probe_gflops": [g0, g1, g2],
+            "token_agreement_with_hf": agreement(out, hf_tokens),
+            "region_breakdown": {"prefill": pre, "decode_step": dec}}
+
+
+def cold_decode_attention(llm, st, new_tokens, reps=5):
+    """Decode attention for all layers in turn, as in a real step: the 30 layers' K/V (~3.5 MB
+    each at batch 8) do not fit the L3, so every layer reads its K/V from DRAM. Compares the
+    current `attend` on the sequence-major buffer with the same math on head-major copies and
+    with SDPA on either layout. Each variant builds its padding bias per call, like `attend`."""
+    c = llm.config
+    g, d = c.num_heads // c.num_kv_heads, c.dim_head
+    scale = d ** -0.5
+    bufs = st.bufs
+    n = bufs[0].used + 1
+    rows, cap = bufs[0].k.shape[1], bufs[0].k.shape[0]
+    attend = fmodel.attend
+    res = {}
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        qs = [torch.randn(rows, g, d, dtype=b.k.dtype) for b in bufs]
+        for b in bufs:
+            b.valid[n - 1] = True
+        heads = []                                   # (rows, capacity+1, d) buffers, same data
+        for b in bufs:
+            kh = torch.zeros(rows, cap, d, dtype=b.k.dtype)
+            vh = torch.zeros(rows, cap, d, dtype=b.k.dtype)
+            kh[:, :n].copy_(b.k[:n].transpose(0, 1))
+            vh[:, :n].copy_(b.v[:n].transpose(0, 1))
+            heads.append((kh, vh, b.valid.t().contiguous()))
+
+        def bias_of(valid_rows_by_slots):            # (rows, n) bool -> (rows, 1, n) float
+            bias = torch.zeros(rows, 1, n, dtype=qs[0].dtype)
+            return bias.masked_fill_(~valid_rows_by_slots.unsqueeze(1), float("-inf"))
+
+        def current():
+            for q, b in zip(qs, bufs):
+                attend(q, b, n, scale)
+
+        def head_major_manual():
+            for q, (kh, vh, val) in zip(qs, heads):
+                s = torch.baddbmm(bias_of(val[:, :n]), q, kh[:, :n].transpose(1, 2), alpha=scale)
+                torch.bmm(torch.softmax(s, -1), vh[:, :n])
+
+        def head_major_sdpa():
+            for q, (kh, vh, val) in zip(qs, heads):
+                F.scaled_dot_product_attention(q[None], kh[None, :, :n], vh[None, :, :n],
+                                               attn_mask=bias_of(val[:, :n])[None])
+
+        def seq_major_sdpa():
+            for q, b in zip(qs, bufs):
+                F.scaled_dot_product_attention(q[None], b.k[:n].transpose(0, 1)[None],
+                                               b.v[:n].transpose(0, 1)[None],
+                                               attn_mask=bias_of(b.valid[:n].t())[None])
+
+        variants = {"current attend (seq-major strided views, baddbmm+softmax+bmm)": current,
+                    "same math on head-major (rows, slots, d) buffers": head_major_manual,
+                    "SDPA on head-major buffers": head_major_sdpa,
+                    "SDPA on seq-major strided views": seq_major_sdpa}
+        for k, fn in variants.items():
+            res[k] = _timeit(fn, reps)
+        for b in bufs:
+            b.valid[n - 1] = False
+    base = res["current attend (seq-major strided views, baddbmm+softmax+bmm)"]
+    kv_mb = sum(2 * rows * n * d * b.k.element_size() for b in bufs) / 1e6
+    return {"slots_attended": n, "layers": len(bufs), "kv_bytes_read_per_step_MB": kv_mb,
+            "ms_per_decode_step": {k: v * 1e3 for k, v in res.items()},
+            "effective_GB_per_s": {k: kv_mb / 1e3 / v for k, v in res.items()},
+            "ms_per_generate_run": {k: v * 1e3 * (new_tokens - 1) for k, v in res.items()},
+            "saving_vs_current_ms_per_step": {k: (base - v) * 1e3 for k, v in res.items()}}
+
+
+def prefill_sdpa_mask_vs_causal(llm, batch, length, reps=3):
+    """Prefill SDPA as the engine calls it (explicit (B,1,S,S) bool mask) vs is_causal=True,
+    valid when a batch has no padding."""
+    c = llm.config
+    torch.manual_seed(0)
+    q = torch.randn(batch, c.num_heads, length, c.dim_head)
+    k = torch.randn(batch, c.num_kv_heads, length, c.dim_head)
+    v = torch.randn(batch, c.num_kv_heads, length, c.dim_head)
+    gqa = c.num_heads != c.num_kv_heads
+    with torch.inference_mode():
+        mask = fmodel.prefill_mask(torch.ones(batch, length, dtype=torch.bool))
+        with_mask = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        causal = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        t_mask, t_causal = _timeit(with_mask, reps), _timeit(causal, reps)
+        diff = float((with_mask() - causal()).abs().max())
+    L = c.num_layers
+    return {"per_layer_ms": {"bool mask": t_mask * 1e3, "is_causal": t_causal * 1e3},
+            "per_prefill_ms": {"bool mask": t_mask * 1e3 * L, "is_causal": t_causal * 1e3 * L},
+            "saving_per_prefill_ms": (t_mask - t_causal) * 1e3 * L, "max_abs_diff": diff}
+
+
 # ------------------------------------------------------------------------------ main
 def git_commit(repo):
     try:
@@ -561,6 +717,8 @@ def main(argv=None):
                     help="skip the separate max_new_tokens=1 runs (in-run TTFT is still measured)")
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the breakdowns (region timer, profiler, attention layout)")
+    ap.add_argument("--no-what-if", action="store_true",
+                    help="skip the measured what-ifs (oneDNN linears, attention layouts, causal SDPA)")
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (decode time is full - prefill)")
@@ -654,14 +812,25 @@ def main(argv=None):
     spread = max(probes) / min(probes)
 
     breakdown = fops = hops = layout = None
+    whatif = {}
     if not args.no_profile:
         log("flexevict: region timer + torch.profiler (prefill, decode steps)")
         breakdown, fops, st = flex_profile(llm, prompts, N)
         log("flexevict: decode attention layout study")
         layout = attention_layout_study(llm, st, N, reps=50)
+        if not args.no_what_if:
+            log("what-if: decode attention over all layers (cold K/V)")
+            whatif["decode_attention_cold"] = cold_decode_attention(llm, st, N)
         del st
         log("transformers: torch.profiler (prefill, one decode step)")
         hops = hf_profile(hf, prompts)
+    if not args.no_what_if:
+        log("what-if: prefill SDPA with is_causal instead of the bool mask")
+        whatif["prefill_sdpa"] = prefill_sdpa_mask_vs_causal(llm, B, L)
+        if onednn_available():
+            log("what-if: oneDNN prepacked linears (full generate + breakdown)")
+            whatif["onednn_linear"] = whatif_onednn(llm, runners[0], runners[1], prompts, N,
+                                                    tokens["transformers"])
 
     # ------------------------------------------------------------------ report
     print()
@@ -737,6 +906,35 @@ def main(argv=None):
             print(f"  {k:56s}{v:9.1f}  {per[k]:8.1f}")
         print(f"  numerics vs current attend: {La['numerics']}")
 
+    if whatif:
+        print("\nWHAT-IFS (candidate engine changes, measured by patching the engine from the bench)")
+        if "prefill_sdpa" in whatif:
+            w = whatif["prefill_sdpa"]
+            print(f"  prefill SDPA, bool mask -> is_causal (no padding): "
+                  f"{w['per_prefill_ms']['bool mask']:.0f} -> {w['per_prefill_ms']['is_causal']:.0f} "
+                  f"ms per prefill (saves {w['saving_per_prefill_ms']:.0f} ms; max |diff| "
+                  f"{w['max_abs_diff']:.1e})")
+        if "decode_attention_cold" in whatif:
+            w = whatif["decode_attention_cold"]
+            print(f"  decode attention, all {w['layers']} layers in turn (K/V from DRAM, "
+                  f"{w['kv_bytes_read_per_step_MB']:.0f} MB per step, {w['slots_attended']} slots):")
+            for k, v in w["ms_per_decode_step"].items():
+                print(f"    {k:62s}{v:7.2f} ms/step {w['effective_GB_per_s'][k]:5.1f} GB/s "
+                      f"{w['ms_per_generate_run'][k]:7.0f} ms/run")
+        if "onednn_linear" in whatif:
+            w = whatif["onednn_linear"]
+            a = w["token_agreement_with_hf"]
+            print(f"  oneDNN prepacked linears (packing {w['pack_s']:.2f}s once): flexevict full "
+                  f"{w['flex_full_s']:.2f}s (TTFT {w['flex_ttft_s']:.2f}s, decode step "
+                  f"{w['flex_decode_step_ms']:.1f} ms) vs transformers {w['hf_full_s']:.2f}s right "
+                  f"after -> ratio {w['paired_throughput_ratio_flex_over_hf']:.2f}x; tokens identical "
+                  f"to transformers {a['identical_tokens']}/{a['total_tokens']}")
+            for phase in ("prefill", "decode_step"):
+                b = w["region_breakdown"][phase]
+                top = list(b["regions_s"].items())[:5]
+                print(f"    {phase} {b['seconds_per_call'] * 1e3:.1f} ms: "
+                      + ", ".join(f"{k.split(' (')[0]} {v * 1e3:.1f}" for k, v in top))
+
     result = {"benchmark": "cpu_generate", "model": "smollm2-135m", "gguf": gguf, "dtype": "float32",
               "args": vars(args), "machine": info,
               "load_s": {"flexevict": load_flex, "transformers": load_hf},
@@ -746,6 +944,7 @@ def main(argv=None):
               "machine_probe_gflops": {"min": min(probes), "max": max(probes), "max_over_min": spread},
               "flexevict_region_breakdown": breakdown, "flexevict_profiler": fops,
               "transformers_profiler": hops, "decode_attention_layout": layout,
+              "what_if": whatif,
               "benchmark_wall_s": time.perf_counter() - T0}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -112,7 +112,6 @@ class HashEvict(RingPolicy):
     args = {"sinks": 4, "recent": 10, "hash_bits": 16, "seed": 0,
             "hash_source": "query", "prefill": "replay"}
     needs_prompt_scores = False        # attention-free: plain SDPA prefill
-    needs_prompt_queries = True        # the replay hashes the prompt queries
     needs_prompt_queries = True        # the replay prefill wants the prompt queries (q=)
 
     def __init__(self, budget=None, budget_tokens=None, **args):
