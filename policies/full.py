@@ -1,4 +1,6 @@
 """`full`: no eviction; the buffer holds every token (the reference all policies are checked against)."""
+from flexevict.errors import UserError
+
 from . import register
 from .base import Policy
 
@@ -6,3 +8,10 @@ from .base import Policy
 @register
 class Full(Policy):
     name = "full"
+
+    def capacity(self, prompt_len: int, gen_len: int) -> int:
+        capacity = super().capacity(prompt_len, gen_len)
+        if self.evicts:
+            raise UserError("policy 'full' keeps every token; drop --budget/--budget-tokens or "
+                            "choose an eviction policy")
+        return capacity

@@ -1,0 +1,137 @@
+"""Every registered policy, automatically: bit-identity with `full` when the budget holds the
+whole sequence, budget and position invariants on random traces, independent batch rows, and
+buffers sized exactly by the resolved slots that never grow."""
+import pytest
+import torch
+
+import flexevict.generation as gen
+from flexevict.errors import UserError
+from flexevict.config import ModelConfig
+from flexevict.generation import Sampling, generate
+from flexevict.model import Transformer
+from flexevict.policies import POLICIES, Policy, get_policy
+from flexevict.weights import DummyWeights
+
+EVICTING = sorted(n for n in POLICIES if n != "full")
+
+CONFIGS = {
+    "opt": ModelConfig(arch="opt", name="t-opt", vocab_size=96, hidden_size=32, num_layers=2,
+                       num_heads=4, num_kv_heads=4, ffn_size=64, max_positions=256,
+                       tie_embeddings=False),
+    "llama-gqa": ModelConfig(arch="llama", name="t-llama", vocab_size=96, hidden_size=32,
+                             num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=64,
+                             max_positions=256, tie_embeddings=False),
+}
+MODELS = {}
+
+
+def model(arch):
+    if arch not in MODELS:
+        MODELS[arch] = Transformer.load(CONFIGS[arch], DummyWeights(CONFIGS[arch], seed=1))
+    return MODELS[arch]
+
+
+def prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
+
+
+def record(monkeypatch):
+    """Capture every step's logits and the buffers of a run."""
+    logits, bufs = [], []
+    real_head, real_alloc = Transformer.head, gen.allocate
+    monkeypatch.setattr(Transformer, "head", lambda self, h: logits.append(real_head(self, h)) or logits[-1])
+
+    def allocate(*args):
+        new = real_alloc(*args)
+        bufs.extend(new)
+        return new
+
+    monkeypatch.setattr(gen, "allocate", allocate)
+    return logits, bufs
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_whole_sequence_budget_is_bit_identical_to_full(name, arch, monkeypatch):
+    if POLICIES[name].logit_scale is not Policy.logit_scale:
+        pytest.skip(f"{name} rescales attention logits by design (checked in its own tests)")
+    m, ps = model(arch), prompts([40, 40], seed=2)
+    logits, _ = record(monkeypatch)
+    ref = generate(m, ps, 24, get_policy("full"), Sampling(), (), 0)
+    ref_logits = list(logits)
+    for budget in (dict(budget=1.0), dict(budget_tokens=40 + 24 + 50)):
+        logits.clear()
+        out = generate(m, ps, 24, get_policy(name, **budget), Sampling(), (), 0)
+        assert out == ref
+        assert len(logits) == len(ref_logits)
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits)), f"{name} {budget}"
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+@pytest.mark.parametrize("name", EVICTING)
+def test_random_trace_invariants(name, arch, monkeypatch):
+    m = model(arch)
+    ps = prompts([60, 45, 52], seed=3)                     # left padding included
+    policy = get_policy(name, budget=0.3)
+    _, bufs = record(monkeypatch)
+    seen = []
+    real_after = type(policy).after_attention
+
+    def checked(self, buf, slot, probs):
+        real_after(self, buf, slot, probs)
+        committed = buf.valid[:buf.capacity]
+        assert int(buf.valid.sum(0).max()) <= self.slots          # never above the budget
+        assert not buf.valid[buf.scratch].any() or slot != buf.scratch
+        pos = torch.where(committed, buf.pos[:buf.capacity], -1)
+        for r in range(pos.shape[1]):                                 # test-side loop only
+            p = pos[:, r][pos[:, r] >= 0]
+            assert p.unique().numel() == p.numel()                    # each token at most once
+        seen.append(int(committed.sum(0).max()))
+
+    monkeypatch.setattr(type(policy), "after_attention", checked)
+    generate(m, ps, 40, policy, Sampling(), (), 0)
+    assert seen and max(seen) <= policy.slots
+    assert policy.evicts
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_batch_rows_are_independent(name):
+    m, ps = model("llama-gqa"), prompts([50, 50], seed=4)
+    together = generate(m, ps, 30, get_policy(name, budget=0.3), Sampling(), (), 0)
+    alone = [generate(m, [p], 30, get_policy(name, budget=0.3), Sampling(), (), 0)[0] for p in ps]
+    assert together == alone
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_buffer_is_sized_by_slots_and_never_grows(name, monkeypatch):
+    m = model("llama-gqa")
+    sizes = {}
+    for new_tokens in (20, 60):
+        _, bufs = record(monkeypatch)
+        policy = get_policy(name, budget_tokens=30)
+        pointers = {}
+        real_after = type(policy).after_attention
+
+        def watch(self, buf, slot, probs):
+            real_after(self, buf, slot, probs)
+            now = [(t.data_ptr(), tuple(t.shape)) for t in buf.tensors()]
+            assert pointers.setdefault(id(buf), now) == now       # same storage every step
+
+        monkeypatch.setattr(type(policy), "after_attention", watch)
+        generate(m, prompts([40], seed=5), new_tokens, policy, Sampling(), (), 0)
+        c = m.config
+        per_slot = 2 * c.dim_head * 4 + 4 + 4 + 4 + 1                # K, V fp32 + score, state, pos, valid
+        rows = c.num_kv_heads
+        for buf in bufs:
+            assert buf.k.shape[0] == policy.slots == 30
+            assert buf.nbytes() == policy.slots * rows * per_slot
+        sizes[new_tokens] = sum(b.nbytes() for b in bufs)
+        monkeypatch.undo()
+    assert sizes[20] == sizes[60]                                    # independent of length
+
+
+def test_full_refuses_a_budget():
+    with pytest.raises(UserError, match="keeps every token"):
+        generate(model("opt"), prompts([20], seed=6), 8, get_policy("full", budget=0.5),
+                 Sampling(), (), 0)
