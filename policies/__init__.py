@@ -57,4 +57,4 @@ class PolicySpec:
 
 # each module registers itself; a new policy is one file plus one name here
 from . import (full, local, streaming, h2o, tova, scissorhands, buzz,  # noqa: E402,F401
-               vatp, hashevict)
+               vatp, hashevict, cascade)

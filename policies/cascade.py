@@ -39,12 +39,16 @@ Decisions where the paper is silent or ambiguous (seed §5):
 - Fill phase: the paper's schedule (no "fill first"; tokens can be dropped before the window is
   full, seed §5.2), with an `eager_fill` option (the later code): every sub-cache accepts while
   the window is not full, so nothing is dropped until it is.
-- Prefill (not in the paper, seed §1.9 / §5.8): the prompt is inserted token by token, in order,
-  with the same batched insertion as decode; this is the later code's "strided" prefill with one
-  stride covering the whole prompt. Each prompt token's score is its mean attention probability
-  over the prompt queries that saw it (the engine's prompt column sum divided by that count),
-  reduced over heads like decode scores -- a stationary estimate of the EMA, on the same scale,
-  that also becomes the token's initial mu for decode.
+- Prefill (not in the paper, seed §1.9 / §5.8): the engine's prefill is one full causal pass, so
+  the submission code's token-by-token attention over the cascade is not available. We follow
+  the later code's "strided" prefill with one stride covering the whole prompt: each prompt
+  token's score is its EMA-weighted column sum sum_q (1-gamma) gamma^(P-1-q) a[q, k] over the
+  real prompt queries q (`prompt_scores`, folded from the prefill attention), i.e. exactly the mu
+  the decode EMA would give it had the prompt been streamed with full attention; it is the
+  token's initial mu for decode. Then the prompt tokens are inserted one by one, in order, by
+  Algorithm 1 with these (static) scores. Which slots move where depends only on t and the fill
+  counts, never on scores, so that part is computed once per run (plain Python) and shared by
+  all rows and layers; per token only the score comparison is a tensor op over all rows.
 - GQA: a kv head's probability is the sum over the query heads that share it (the project's
   convention); rho is then taken over the sequence's kv heads. For `mean` this is exactly the
   paper's mean over all query heads times the group size (same decisions); for max/median with
@@ -112,6 +116,20 @@ class Cascade(Policy):
     def describe(self) -> dict:
         return {**super().describe(), "subcaches": list(self.sizes), "gamma": self.gamma,
                 "approx_context": sum(s << i for i, s in enumerate(self.sizes)), "scratch": 1}
+
+    # ------------------------------------------------------------------ prompt statistic
+    def prompt_scores(self, acc, p, first, valid):
+        """Fold one block of prefill attention into the EMA-weighted column sums (engine hook).
+
+        p (B, Hk, g, c, S) fp32 probabilities of prompt queries [first, first + c), valid (B, S)
+        -> (B, Hk, S): sum over real queries q of (1 - gamma) gamma^(S-1-q) p[q, k], summed over
+        the group (left padding puts every row's last real query at S - 1)."""
+        s, c = p.shape[-1], p.shape[3]
+        q = torch.arange(first, first + c, device=p.device, dtype=torch.float64)
+        w = ((1.0 - self.gamma) * self.gamma ** (s - 1 - q)).to(p.dtype)           # (c,)
+        w = w * valid[:, first:first + c]                                        # (B, c)
+        total = torch.einsum("bhgcs,bc->bhs", p, w)
+        return total if acc is None else acc + total
 
     # ------------------------------------------------------------------ layout
     def _setup(self, buf) -> None:
@@ -190,7 +208,7 @@ class Cascade(Policy):
         sink_dst = torch.where(sink, t, sc).unsqueeze(0)
         return torch.cat([scratch, src]), torch.cat([sink_dst, dst])
 
-    def _schedule(self, p: int) -> list:
+    def _schedule(self, p: int) -> tuple:
         """The insertion's structure for prompt tokens 0..p-1 (the same for every row and layer:
         which slots move where depends only on t and the fill counts, never on scores).
 
@@ -254,12 +272,12 @@ class Cascade(Policy):
         cap, sc = buf.capacity, buf.scratch
         order = left_aligned(valid)
         n_real = valid.sum(0)                                                 # (rows,)
-        j = torch.arange(p, device=dev).unsqueeze(1)
+        real = torch.arange(p, device=dev).unsqueeze(1) < n_real
         if scores is None:
             proxy = torch.zeros(p, rows, dtype=torch.float32, device=dev)
-        else:   # mean attention received per query that saw the token (seed §1.9, decision above)
-            proxy = scores.float().gather(0, order) / (n_real - j).clamp(min=1)
-            proxy = self._per_sequence(torch.where(j < n_real, proxy, 0.0), buf)
+        else:   # the EMA-weighted column sums of `prompt_scores`, reduced over heads
+            proxy = torch.where(real, scores.float().gather(0, order), 0.0)
+            proxy = self._per_sequence(proxy, buf)
         # insert the prompt token by token (left-aligned, so token i has t = i in every row) on
         # index maps: which prompt token each slot holds, and its score
         _, hist = self._schedule(p)

@@ -181,14 +181,14 @@ def test_cascading_of_evicted_tokens():
 
 
 def test_prefill_uses_prompt_scores():
-    """A prompt token's score is its mean attention per query that saw it; it decides the
-    competition at C2's boundary (t=5: token 3 vs newest 2) and becomes its initial mu."""
+    """A prompt token's score (its EMA-weighted column sum) decides the competition at C2's
+    boundary (t=5: token 3 vs newest 2) and becomes its initial mu."""
     n = 6
     for winner, loser in ((3, 2), (2, 3)):
         policy, buf = make(7, n, 4, sinks=2, cascades=2)
         scores = torch.zeros(n, 1)
-        scores[winner] = 0.6 * (n - winner)
-        scores[loser] = 0.1 * (n - loser)
+        scores[winner] = 0.6
+        scores[loser] = 0.1
         prefill(policy, buf, n, scores)
         assert policy.contents(buf) == [[4, 5], [winner]]
         assert kept(buf) == sorted([0, 1, winner, 4, 5])
@@ -313,7 +313,7 @@ def test_matches_reference_on_random_traces(args):
 def test_prefill_matches_reference(args):
     """Prefill of a left-padded batch (3 sequences x 2 kv heads) with random column sums: each
     row holds what Algorithm 1 keeps when the prompt tokens arrive in order with mu = their
-    mean attention per query (reduced over the sequence's heads)."""
+    prompt statistic (reduced over the sequence's heads)."""
     g = torch.Generator().manual_seed(1)
     kv, lens = 2, [37, 12, 30]
     p, rows = max(lens), kv * len(lens)
@@ -328,7 +328,7 @@ def test_prefill_matches_reference(args):
         ref = Reference(3, policy.sizes, 0.5, policy.opts["tie_replace"], policy.opts["eager_fill"])
         sc = scores[p - n:, b * kv:(b + 1) * kv]
         for t in range(n):
-            ref.mu[t] = f32(red([f32(sc[t, h].item() / (n - t)) for h in range(kv)]))
+            ref.mu[t] = f32(red([sc[t, h].item() for h in range(kv)]))
             ref.insert(t)
         for h in range(kv):
             row = b * kv + h
@@ -337,6 +337,39 @@ def test_prefill_matches_reference(args):
             for x in ref.tokens()[3:]:
                 assert mu_of(buf, x, row) == pytest.approx(ref.mu[x], abs=1e-6)
     assert int(buf.valid[:, 1 * kv].sum()) < int(buf.valid[:, 0].sum())   # short row: holes
+
+
+def test_prompt_scores_are_the_streamed_ema():
+    """The prompt statistic folded from the prefill attention (over query blocks, left-padded
+    rows) is the EMA mu <- gamma mu + (1 - gamma) s the decode path would give each prompt token
+    had the prompt been streamed one query at a time with full attention (GQA: summed over the
+    group)."""
+    from flexevict.model import attention_with_column_sums, prefill_mask
+    g = torch.Generator().manual_seed(5)
+    policy = get_policy("cascade", budget_tokens=45)
+    policy.capacity(60, 30)
+    gamma = policy.gamma
+    assert 0.5 < gamma < 1
+    b, h, hk, s, d = 2, 4, 2, 11, 8
+    q, k, v = (torch.randn(b, n, s, d, generator=g) for n in (h, hk, hk))
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, :4] = False
+    _, stat = attention_with_column_sums(q, k, v, prefill_mask(valid), valid, d ** -0.5,
+                                         block=3, fold=policy.prompt_scores)
+    for bi in range(b):
+        for kh in range(hk):
+            mu = torch.zeros(s, dtype=torch.float64)
+            for qi in range(s):                 # stream the real queries one at a time
+                if not valid[bi, qi]:
+                    continue
+                seen = valid[bi, :qi + 1]
+                a = torch.zeros(s, dtype=torch.float64)
+                for qh in range(kh * h // hk, (kh + 1) * h // hk):
+                    logits = (k[bi, kh, :qi + 1][seen] @ q[bi, qh, qi]).double() * d ** -0.5
+                    a[:qi + 1][seen] += logits.softmax(-1)
+                mu = gamma * mu + (1 - gamma) * a
+            torch.testing.assert_close(stat[bi, kh].double(), mu, rtol=1e-5, atol=1e-7)
+    assert stat[1, :, :4].abs().max() == 0                 # pad keys get nothing
 
 
 def test_eq4_approximate_context():
