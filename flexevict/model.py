@@ -9,6 +9,7 @@ Hk kv heads, d head dim, D hidden, R = B * Hk buffer rows.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -109,7 +110,41 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
+class PackedWeight:
+    """A linear weight prepacked once for oneDNN (CPU, fp32).
+
+    MKL's sgemm reaches a fraction of oneDNN's speed on the CPUs we run on (bench/cpu_generate.py
+    measured 1.7x end to end on SmolLM2); oneDNN wants its own weight layout, so each weight is
+    reordered once at load time and the plain tensor is dropped. The ops are the ones
+    torch.compile's CPU weight prepacking uses.
+    """
+
+    def __init__(self, w: torch.Tensor):
+        self.shape = w.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
+
+
+def onednn_usable(device, dtype) -> bool:
+    return (torch.device(device).type == "cpu" and dtype == torch.float32
+            and os.environ.get("FLEXEVICT_ONEDNN", "1") != "0"
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+LINEAR_WEIGHTS = ("wqkv", "wo", "w1", "w2", "wgu", "wd", "lm_head", "proj_in", "proj_out")
+
+
+def prepack(weights: dict) -> None:
+    """Replace the linear weights of a layer (or the outer weights) by oneDNN-packed ones."""
+    for key in LINEAR_WEIGHTS:
+        if weights.get(key) is not None:
+            weights[key] = PackedWeight(weights[key])
+
+
 def linear(x, w, b=None):
+    if isinstance(w, PackedWeight):
+        return torch.ops.mkldnn._linear_pointwise(x, w.packed, b, "none", [], "")
     return F.linear(x, w, b)
 
 
@@ -142,13 +177,22 @@ class Transformer:
         self.inv_freq = rope_inv_freq(config) if config.arch == "llama" else None
 
     @classmethod
-    def load(cls, config: ModelConfig, source, device="cpu", dtype=torch.float32, progress=None):
+    def load(cls, config: ModelConfig, source, device="cpu", dtype=torch.float32, progress=None,
+             onednn: bool | None = None):
+        """Load every weight onto `device`. onednn (default: when usable, i.e. fp32 on CPU and
+        FLEXEVICT_ONEDNN is not 0) prepacks the linear weights for oneDNN."""
+        pack = onednn_usable(device, dtype) if onednn is None else onednn
         layers = []
         for j in range(config.num_layers):
             layers.append(load_layer_weights(config, source, j, device, dtype))
+            if pack:
+                prepack(layers[-1])
             if progress:
                 progress(j)
-        return cls(config, layers, load_outer_weights(config, source, device, dtype))
+        outer = load_outer_weights(config, source, device, dtype)
+        if pack:
+            prepack(outer)       # a tied head gets its own packed copy; the embedding stays
+        return cls(config, layers, outer)
 
     @property
     def dtype(self):

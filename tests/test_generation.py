@@ -297,3 +297,18 @@ def test_kv_buffer_never_grows(monkeypatch):
         assert buf.capacity == cap and buf.k.shape[0] == cap + 1
         assert buf.used == cap                    # prompt (padded to 6) + 4 fed tokens
         assert buf.valid[:cap].sum().item() == (4 + 6 + 2 * 4) * model.config.num_kv_heads
+
+
+def test_onednn_prepacked_linears_match_plain():
+    """The CPU fast path (oneDNN-prepacked weights) gives the plain path's greedy tokens and
+    logits to fp32 rounding."""
+    from flexevict.model import onednn_usable
+    if not onednn_usable("cpu", torch.float32):
+        pytest.skip("this torch build has no oneDNN linear ops")
+    cfg = CFGS["llama-gqa"]
+    plain = Transformer.load(cfg, DummyWeights(cfg, 0), onednn=False)
+    packed = Transformer.load(cfg, DummyWeights(cfg, 0), onednn=True)
+    prompts = rand_prompts([9, 14], seed=8)
+    assert run(plain, prompts, n=12) == run(packed, prompts, n=12)
+    x = torch.randn(3, cfg.hidden_size)
+    assert torch.allclose(plain.head(x), packed.head(x), atol=1e-5, rtol=1e-5)
