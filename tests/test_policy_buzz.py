@@ -9,14 +9,11 @@ import torch
 
 import flexevict.generation as G
 import flexevict.policies.buzz  # noqa: F401  (registers buzz, buzz-logn)
-from flexevict.config import ModelConfig
 from flexevict.errors import UserError
 from flexevict.generation import Sampling, generate
 from flexevict.kv import KVBuffer
-from flexevict.model import Transformer
 from flexevict.policies import get_policy
 from flexevict.policies.full import Full
-from flexevict.weights import DummyWeights
 
 D = 4  # head dim of the hand-made buffers
 
@@ -271,21 +268,8 @@ def test_random_multirow_traces_match_the_reference(k, w, T, s):
 
 # ------------------------------------------------------------------ end to end
 
-CFGS = {
-    "llama-gqa": ModelConfig(arch="llama", name="t", vocab_size=128, hidden_size=64,
-                             num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=128,
-                             max_positions=512, tie_embeddings=False),
-    "opt": ModelConfig(arch="opt", name="t-opt", vocab_size=128, hidden_size=64, num_layers=2,
-                       num_heads=4, num_kv_heads=4, ffn_size=128, max_positions=512,
-                       tie_embeddings=False),
-}
-_MODELS = {}
+from tiny import CONFIGS as CFGS, model_for
 
-
-def model_for(key):
-    if key not in _MODELS:
-        _MODELS[key] = Transformer.load(CFGS[key], DummyWeights(CFGS[key], seed=0))
-    return _MODELS[key]
 
 
 def prompts(lengths, seed=1):

@@ -11,36 +11,14 @@ import torch
 
 import flexevict.generation as G
 import flexevict.policies.vatp  # noqa: F401  (registers vatp, vatp-pin)
-from flexevict.config import ModelConfig
 from flexevict.errors import UserError
 from flexevict.generation import Sampling, generate
 from flexevict.kv import KVBuffer
-from flexevict.model import Transformer
 from flexevict.policies import get_policy
 from flexevict.policies.vatp import ValueAware, value_norm
-from flexevict.weights import DummyWeights
 
-CFGS = {
-    "llama-gqa": ModelConfig(arch="llama", name="t", vocab_size=128, hidden_size=64,
-                             num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=128,
-                             max_positions=512, tie_embeddings=False),
-    "opt": ModelConfig(arch="opt", name="t-opt", vocab_size=128, hidden_size=64, num_layers=2,
-                       num_heads=4, num_kv_heads=4, ffn_size=128, max_positions=512,
-                       tie_embeddings=False),
-}
-_MODELS = {}
+from tiny import CONFIGS as CFGS, model_for, rand_prompts
 
-
-def model_for(key):
-    if key not in _MODELS:
-        cfg = CFGS[key]
-        _MODELS[key] = Transformer.load(cfg, DummyWeights(cfg, seed=0))
-    return _MODELS[key]
-
-
-def rand_prompts(lengths, seed, vocab=128):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def kept(buf, row=0):

@@ -1,0 +1,34 @@
+"""Tiny random-weight models and prompts shared by the policy tests (imported as `tiny`)."""
+import torch
+
+from flexevict.config import ModelConfig
+from flexevict.model import Transformer
+from flexevict.weights import DummyWeights
+
+CONFIGS = {
+    "llama-gqa": ModelConfig(arch="llama", name="t", vocab_size=128, hidden_size=64, num_layers=2,
+                             num_heads=4, num_kv_heads=2, ffn_size=128, max_positions=512,
+                             tie_embeddings=False),
+    "opt": ModelConfig(arch="opt", name="t-opt", vocab_size=128, hidden_size=64, num_layers=2,
+                       num_heads=4, num_kv_heads=4, ffn_size=128, max_positions=512,
+                       tie_embeddings=False),
+}
+CONFIGS["llama"] = CONFIGS["llama-gqa"]
+_MODELS = {}
+
+
+def model_for(key: str) -> Transformer:
+    """A cached dummy-weight (seed 0) model for a CONFIGS key."""
+    if key not in _MODELS:
+        _MODELS[key] = Transformer.load(CONFIGS[key], DummyWeights(CONFIGS[key], seed=0))
+    return _MODELS[key]
+
+
+def rand_prompts(lengths, seed, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def kept(buf, row=0):
+    """Sorted positions of the committed tokens of one buffer row."""
+    return sorted(buf.pos[:buf.capacity, row][buf.valid[:buf.capacity, row]].tolist())
