@@ -427,7 +427,7 @@ def traced(monkeypatch, model, prompts, n_new, policy, check=None):
     return out, bufs, logits
 
 
-@pytest.mark.parametrize("key", ["llama", "opt"])
+@pytest.mark.parametrize("key", ["llama-gqa", "opt"])
 def test_invariants_end_to_end(monkeypatch, key):
     model = model_for(key)
     kv = model.config.num_kv_heads
@@ -464,7 +464,7 @@ def test_invariants_end_to_end(monkeypatch, key):
     assert min(p[policy.sinks:]) < 40 + n_new - 2 - (policy.slots - 1 - policy.sinks)
 
 
-@pytest.mark.parametrize("key", ["llama", "opt"])
+@pytest.mark.parametrize("key", ["llama-gqa", "opt"])
 def test_batch_rows_independent(key):
     model = model_for(key)
     prompts = prompts_of([30, 30], seed=2)
@@ -475,7 +475,7 @@ def test_batch_rows_independent(key):
     assert len({t for o in both for t in o}) > 5
 
 
-@pytest.mark.parametrize("key", ["llama", "opt"])
+@pytest.mark.parametrize("key", ["llama-gqa", "opt"])
 @pytest.mark.parametrize("budget", [dict(budget=1.0), dict(budget_tokens=70),
                                     dict(budget_tokens=500)])
 def test_full_budget_bit_identical(monkeypatch, key, budget):
@@ -492,7 +492,7 @@ def test_full_budget_bit_identical(monkeypatch, key, budget):
 
 def test_one_cascade_is_streaming(monkeypatch):
     """N = 1 is the Sink Cache (Sec. 3.1): the same kept tokens as `streaming` at every step."""
-    model = model_for("llama")
+    model = model_for("llama-gqa")
     prompts = prompts_of([30], seed=4)
     sets = {}
     for name, args in (("streaming", {}), ("cascade", {"cascades": 1})):

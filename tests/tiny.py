@@ -13,7 +13,6 @@ CONFIGS = {
                        num_heads=4, num_kv_heads=4, ffn_size=128, max_positions=512,
                        tie_embeddings=False),
 }
-CONFIGS["llama"] = CONFIGS["llama-gqa"]
 _MODELS = {}
 
 
