@@ -352,17 +352,18 @@ def attention_with_column_sums(q, k, v, mask, valid, scale, block: int = 256, fo
     out = torch.empty_like(q).view(b, hk, g, s, d)
     colsum = None if fold else torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
     kt = k.transpose(-1, -2).unsqueeze(2)                          # (B, Hk, 1, d, S)
+    vg = v.unsqueeze(2)
     for i in range(0, s, block):
-        j = min(i + block, s)
-        logits = (qg[:, :, :, i:j] @ kt).float() * scale            # (B, Hk, g, c, S)
-        logits.masked_fill_(~mask[:, :, None, i:j], float("-inf"))
+        j = min(i + block, s)                                      # causal: keys [0, j) only
+        logits = (qg[:, :, :, i:j] @ kt[..., :j]).float() * scale  # (B, Hk, g, c, j)
+        logits.masked_fill_(~mask[:, :, None, i:j, :j], float("-inf"))
         p = logits.softmax(dim=-1)
-        out[:, :, :, i:j] = p.to(v.dtype) @ v.unsqueeze(2)
-        if fold:
-            colsum = fold(colsum, p, i, valid)
+        out[:, :, :, i:j] = p.to(v.dtype) @ vg[:, :, :, :j]
+        if fold:                                                   # folds see all S keys
+            colsum = fold(colsum, F.pad(p, (0, s - j)), i, valid)
         else:
             p = p * valid[:, None, None, i:j, None]                # pad queries do not vote
-            colsum += p.sum(dim=(2, 3))
+            colsum[..., :j] += p.sum(dim=(2, 3))
     return out.view(b, h, s, d), colsum
 
 
