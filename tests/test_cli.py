@@ -106,6 +106,27 @@ def test_missing_text_file():
     assert_user_error(proc, "/nonexistent/file.txt")
 
 
+@pytest.mark.parametrize("args,needles", [
+    (["--policy", "h3o"], ["h3o", "h2o", "streaming", "hashevict"]),
+    (["--policy", "h2o", "--budget", "0"], ["--budget", "(0, 1]"]),
+    (["--policy", "h2o", "--budget", "1.5"], ["--budget", "(0, 1]"]),
+    (["--policy", "streaming", "--budget-tokens", "3"], ["minimum of 6"]),
+    (["--policy", "h2o", "--budget", "0.5", "--policy-arg", "heavy=3"], ["heavy", "h2o"]),
+    (["--policy", "streaming", "--budget", "0.5", "--policy-arg", "sinks"], ["name=value"]),
+])
+def test_bad_policy_input(tiny_dir, args, needles):
+    proc = run("generate", "--model", tiny_dir, "--prompt", "hello there", "--max-new-tokens",
+               "8", *args)
+    assert_user_error(proc, *needles)
+
+
+def test_generate_prints_resolved_slots(tiny_dir):
+    proc = run("generate", "--model", tiny_dir, "--prompt", "x" * 30, "--max-new-tokens", "10",
+               "--policy", "h2o", "--budget", "0.5")
+    assert proc.returncode == 0, proc.stderr
+    assert "policy=h2o slots=20 prefix=9 ring=10 scratch=1" in proc.stderr
+
+
 def test_generate_jsonl_end_to_end(tmp_path, tiny_dir):
     rows = [{"id": 1, "prompt": "abc"}, {"id": "x", "prompt": "hello world", "extra": True}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
