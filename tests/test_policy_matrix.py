@@ -6,34 +6,12 @@ import torch
 
 import flexevict.generation as gen
 from flexevict.errors import UserError
-from flexevict.config import ModelConfig
 from flexevict.generation import Sampling, generate
 from flexevict.model import Transformer
 from flexevict.policies import POLICIES, Policy, get_policy
-from flexevict.weights import DummyWeights
+from tiny import CONFIGS, model_for, rand_prompts
 
 EVICTING = sorted(n for n in POLICIES if n != "full")
-
-CONFIGS = {
-    "opt": ModelConfig(arch="opt", name="t-opt", vocab_size=96, hidden_size=32, num_layers=2,
-                       num_heads=4, num_kv_heads=4, ffn_size=64, max_positions=256,
-                       tie_embeddings=False),
-    "llama-gqa": ModelConfig(arch="llama", name="t-llama", vocab_size=96, hidden_size=32,
-                             num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=64,
-                             max_positions=256, tie_embeddings=False),
-}
-MODELS = {}
-
-
-def model(arch):
-    if arch not in MODELS:
-        MODELS[arch] = Transformer.load(CONFIGS[arch], DummyWeights(CONFIGS[arch], seed=1))
-    return MODELS[arch]
-
-
-def prompts(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
 
 
 def record(monkeypatch):
@@ -56,7 +34,7 @@ def record(monkeypatch):
 def test_whole_sequence_budget_is_bit_identical_to_full(name, arch, monkeypatch):
     if POLICIES[name].logit_scale is not Policy.logit_scale:
         pytest.skip(f"{name} rescales attention logits by design (checked in its own tests)")
-    m, ps = model(arch), prompts([40, 40], seed=2)
+    m, ps = model_for(arch), rand_prompts([40, 40], seed=2)
     logits, _ = record(monkeypatch)
     ref = generate(m, ps, 24, get_policy("full"), Sampling(), (), 0)
     ref_logits = list(logits)
@@ -71,8 +49,8 @@ def test_whole_sequence_budget_is_bit_identical_to_full(name, arch, monkeypatch)
 @pytest.mark.parametrize("arch", CONFIGS)
 @pytest.mark.parametrize("name", EVICTING)
 def test_random_trace_invariants(name, arch, monkeypatch):
-    m = model(arch)
-    ps = prompts([60, 45, 52], seed=3)                     # left padding included
+    m = model_for(arch)
+    ps = rand_prompts([60, 45, 52], seed=3)                     # left padding included
     policy = get_policy(name, budget=0.3)
     _, bufs = record(monkeypatch)
     seen = []
@@ -97,7 +75,7 @@ def test_random_trace_invariants(name, arch, monkeypatch):
 
 @pytest.mark.parametrize("name", EVICTING)
 def test_batch_rows_are_independent(name):
-    m, ps = model("llama-gqa"), prompts([50, 50], seed=4)
+    m, ps = model_for("llama-gqa"), rand_prompts([50, 50], seed=4)
     together = generate(m, ps, 30, get_policy(name, budget=0.3), Sampling(), (), 0)
     alone = [generate(m, [p], 30, get_policy(name, budget=0.3), Sampling(), (), 0)[0] for p in ps]
     assert together == alone
@@ -105,7 +83,7 @@ def test_batch_rows_are_independent(name):
 
 @pytest.mark.parametrize("name", EVICTING)
 def test_buffer_is_sized_by_slots_and_never_grows(name, monkeypatch):
-    m = model("llama-gqa")
+    m = model_for("llama-gqa")
     sizes = {}
     for new_tokens in (20, 60):
         _, bufs = record(monkeypatch)
@@ -119,7 +97,7 @@ def test_buffer_is_sized_by_slots_and_never_grows(name, monkeypatch):
             assert pointers.setdefault(id(buf), now) == now       # same storage every step
 
         monkeypatch.setattr(type(policy), "after_attention", watch)
-        generate(m, prompts([40], seed=5), new_tokens, policy, Sampling(), (), 0)
+        generate(m, rand_prompts([40], seed=5), new_tokens, policy, Sampling(), (), 0)
         c = m.config
         per_slot = 2 * c.dim_head * 4 + 4 + 4 + 4 + 1                # K, V fp32 + score, state, pos, valid
         rows = c.num_kv_heads
@@ -133,5 +111,5 @@ def test_buffer_is_sized_by_slots_and_never_grows(name, monkeypatch):
 
 def test_full_refuses_a_budget():
     with pytest.raises(UserError, match="keeps every token"):
-        generate(model("opt"), prompts([20], seed=6), 8, get_policy("full", budget=0.5),
+        generate(model_for("opt"), rand_prompts([20], seed=6), 8, get_policy("full", budget=0.5),
                  Sampling(), (), 0)
