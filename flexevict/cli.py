@@ -46,7 +46,7 @@ def print_resolved(resolved: list[dict]):
     for r in resolved:
         if r not in seen:
             seen.append(r)
-            print("policy " + " ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr)
+            print("resolved budget: " + " ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr)
 
 
 def load_llm(args, progress: bool = True):
