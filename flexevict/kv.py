@@ -39,10 +39,6 @@ class KVBuffer:
     def scratch(self) -> int:
         return self.capacity
 
-    @property
-    def full(self) -> bool:
-        return self.used == self.capacity
-
     def tensors(self):
         return (self.k, self.v, self.score, self.state, self.pos, self.valid)
 
@@ -63,11 +59,9 @@ class KVBuffer:
         n = order.shape[0]
         if n > self.capacity:
             raise ValueError(f"{n} prompt tokens do not fit {self.capacity} slots")
-        self.k[:n] = _take(k, order)
-        self.v[:n] = _take(v, order)
-        self.pos[:n] = pos.gather(0, order)
-        self.valid[:n] = valid.gather(0, order)
-        self.score[:n] = score.gather(0, order) if score is not None else 0.0
+        k, v, pos, valid, score = gather_prompt(order, k, v, pos, valid, score)
+        self.k[:n], self.v[:n], self.pos[:n], self.valid[:n] = k, v, pos, valid
+        self.score[:n] = score if score is not None else 0.0
         self.state[:n] = 0.0
         self.used = n
 
@@ -94,7 +88,7 @@ class KVBuffer:
         if slot == self.used:
             self.used += 1
 
-    def move(self, src: torch.Tensor | int, dst: torch.Tensor) -> None:
+    def move(self, src: torch.Tensor | int, dst: torch.Tensor | int) -> None:
         """Per row, copy slot src[r] into slot dst[r] (all per-slot state travels along)."""
         rows = self.rows_index
         for t in self.tensors():
@@ -113,7 +107,7 @@ class KVBuffer:
         takes its ring slot, and the cursor advances.
         """
         self.move(self.cursor, victims)          # no-op on rows whose victim is the cursor
-        self.move(self.scratch, torch.full_like(victims, self.cursor))
+        self.move(self.scratch, self.cursor)
         self.valid[self.scratch] = False
         self.cursor += 1
         if self.cursor == self.capacity:
@@ -125,6 +119,10 @@ def left_aligned(valid: torch.Tensor) -> torch.Tensor:
     return torch.sort((~valid).to(torch.int8), dim=0, stable=True).indices
 
 
-def _take(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """t (S, rows, d) gathered along slots with order (n, rows)."""
-    return t.gather(0, order.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+def gather_prompt(order: torch.Tensor, k, v, pos, valid, scores=None):
+    """Prompt tensors reordered along slots, per row, by order (n, rows).
+
+    k, v: (S, rows, d); pos, valid, scores: (S, rows) -> the same with n slots."""
+    take = lambda t: t.gather(0, order.unsqueeze(-1).expand(-1, -1, t.shape[-1]))  # noqa: E731
+    return (take(k), take(v), pos.gather(0, order), valid.gather(0, order),
+            None if scores is None else scores.gather(0, order))

@@ -120,7 +120,6 @@ class PackedWeight:
     """
 
     def __init__(self, w: torch.Tensor):
-        self.shape = w.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
 
 

@@ -142,7 +142,7 @@ class RingPolicy(Policy):
         heavy = top.indices.sort(dim=0).values                        # keep position order
         ring = (ring_begin + torch.arange(self.ring, device=k.device).unsqueeze(1))
         keep = torch.cat([heavy, ring.clamp(max=k.shape[0] - 1)])     # (capacity, rows)
-        buf.store_prompt(*_aligned(k, v, pos, valid, scores, order), keep=keep)
+        buf.store_prompt(k, v, pos, valid, scores, keep=keep)       # keep is in aligned order
         # short rows: prefix picks among ineligible tokens and ring slots past the row's real
         # tokens hold nothing
         holes = torch.cat([~eligible.gather(0, heavy), ring >= n_real])
@@ -182,13 +182,6 @@ def prefix_and_cursor(buf: KVBuffer) -> torch.Tensor:
 def kv_head_probs(probs: torch.Tensor) -> torch.Tensor:
     """(rows, group, n) -> (n, rows): a kv head's score is the sum over its query heads."""
     return probs.sum(dim=1).t()
-
-
-def _aligned(k, v, pos, valid, scores, order):
-    """Apply a left-alignment order to all prompt tensors (store_prompt then sees aligned rows)."""
-    take = lambda t: t.gather(0, order.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
-    return (take(k), take(v), pos.gather(0, order), valid.gather(0, order),
-            None if scores is None else scores.gather(0, order))
 
 
 def _coerce(name: str, value, default):

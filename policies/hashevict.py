@@ -59,10 +59,10 @@ from __future__ import annotations
 import torch
 
 from flexevict.errors import UserError
-from flexevict.kv import KVBuffer, left_aligned
+from flexevict.kv import KVBuffer, gather_prompt, left_aligned
 
 from . import register
-from .base import RingPolicy, _aligned, lowest
+from .base import RingPolicy, lowest
 
 WORD_BITS = 32          # hash bits per int64 word (values stay non-negative)
 STATE_BITS = 24         # fp32 holds every integer below 2**24 exactly
@@ -177,7 +177,7 @@ class HashEvict(RingPolicy):
             return buf.store_prompt(k, v, pos, valid)
         s = k.shape[0]
         order = left_aligned(valid)
-        k, v, pos, valid, _ = _aligned(k, v, pos, valid, None, order)
+        k, v, pos, valid, _ = gather_prompt(order, k, v, pos, valid)
         proj = self._proj(buf)
         kh = hash_codes(k, proj)                                   # (S, rows, W)
         n_real = valid.sum(dim=0)                                  # (rows,)

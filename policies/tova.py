@@ -41,10 +41,10 @@ new token in the scratch slot (k + 1 states, as in the authors' cache, which is 
 import torch
 
 from flexevict.errors import UserError
-from flexevict.kv import left_aligned
+from flexevict.kv import gather_prompt, left_aligned
 
 from . import register
-from .base import Policy, _aligned, kv_head_probs, lowest
+from .base import Policy, kv_head_probs, lowest
 
 
 @register
@@ -91,7 +91,7 @@ class TOVA(Policy):
         if k.shape[0] <= buf.capacity:
             return buf.store_prompt(k, v, pos, valid, scores)
         order = left_aligned(valid)
-        k, v, pos, valid, scores = _aligned(k, v, pos, valid, scores, order)
+        k, v, pos, valid, scores = gather_prompt(order, k, v, pos, valid, scores)
         rank = torch.where(valid, scores, float("-inf"))
         # best first; among equal scores the newest first (so the oldest is the one dropped)
         by_age = torch.sort(pos, dim=0, descending=True, stable=True).indices
