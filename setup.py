@@ -11,7 +11,7 @@ setup(
     name="flexevict",
     version="0.1.0",
     description="Offloading throughput engine for LLM inference with KV-cache eviction",
-    packages=["flexevict", "flexevict.policies"],
+    packages=["flexevict", "flexevict.bench", "flexevict.policies"],
     package_dir={"flexevict": "flexevict", "flexevict.policies": "policies"},
     python_requires=">=3.10",
     install_requires=["numpy", "tqdm", "tokenizers", "safetensors", "gguf", "nvidia-ml-py"],

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UserError
-from .kv import KVBuffer
+from .kv import KVBuffer, zeros
 from .model import Transformer
 
 
@@ -79,10 +79,11 @@ def check_length(model: Transformer, prompt_len: int, new_tokens: int):
                         "--max-new-tokens")
 
 
-def allocate(model: Transformer, capacity: int, batch: int) -> list[KVBuffer]:
+def allocate(model: Transformer, capacity: int, batch: int, alloc=zeros) -> list[KVBuffer]:
+    """One KV buffer per layer for `batch` sequences; alloc picks the memory (kv.KVBuffer)."""
     c = model.config
     return [KVBuffer(capacity, batch * c.num_kv_heads, c.dim_head, model.dtype, model.device,
-                     kv_heads=c.num_kv_heads, layer=j)
+                     kv_heads=c.num_kv_heads, layer=j, alloc=alloc)
             for j in range(c.num_layers)]
 
 
@@ -94,35 +95,34 @@ def forward(model: Transformer, tokens, inp, bufs, policy) -> torch.Tensor:
     return h
 
 
-@torch.inference_mode()
-def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, policy,
+def as_engine(model):
+    """The engine that runs `model`: an Engine as is, or a loaded Transformer with every weight
+    resident on its device (no offloading)."""
+    from .engine import Engine
+    return model if isinstance(model, Engine) else Engine.resident(model)
+
+
+def generate(model, prompts: list[list[int]], max_new_tokens: int, policy,
              sampling: Sampling = Sampling(), stop_ids=(), pad_id: int = 0) -> list[list[int]]:
-    """Generate up to max_new_tokens per prompt; a sequence stops after emitting a stop id
-    (the stop id is kept in its output)."""
+    """Generate up to max_new_tokens per prompt with an Engine (or a resident Transformer); a
+    sequence stops after emitting a stop id (the stop id is kept in its output)."""
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
     sampling.check()
-    tokens, valid, pos = left_pad(prompts, pad_id, model.device)
-    b, s = tokens.shape
-    check_length(model, max(len(p) for p in prompts), max_new_tokens)
-    bufs = allocate(model, policy.capacity(s, max_new_tokens), b)
-    sample = Sampler(sampling, model.device)
+    engine = as_engine(model)
+    sample = Sampler(sampling, engine.tiers.compute)
+    stop = torch.tensor(sorted(stop_ids) or [-1], device=engine.tiers.compute)
+    out, done = {}, {}
 
-    h = forward(model, tokens, model.step_input(pos, valid), bufs, policy)
-    nxt = sample(model.head(h[:, -1]))
-    next_pos = valid.sum(dim=1)
-    stop = torch.tensor(sorted(stop_ids) or [-1], device=model.device)
-    done = torch.zeros(b, dtype=torch.bool, device=model.device)
-    out = []
-    for step in range(max_new_tokens):
-        out.append(nxt)
-        done |= torch.isin(nxt, stop)
-        if step == max_new_tokens - 1 or bool(done.all()):
-            break
-        h = forward(model, nxt, model.step_input(next_pos, None), bufs, policy)
-        nxt = sample(model.head(h))
-        next_pos = next_pos + 1
-    result = torch.stack(out, dim=1).tolist()
+    def consume(i, k, h, head):
+        nxt = sample(head(h[:, -1] if h.dim() == 3 else h))
+        out.setdefault(k, []).append(nxt)
+        done[k] = done.get(k, False) | torch.isin(nxt, stop)
+        return nxt
+
+    engine.run(prompts, max_new_tokens, policy, consume, pad_id,
+               until=lambda: all(bool(d.all()) for d in done.values()))
+    result = torch.cat([torch.stack(out[k], dim=1) for k in sorted(out)]).tolist()
     return [_cut_at_stop(row, stop_ids) for row in result]
 
 
@@ -133,8 +133,7 @@ def _cut_at_stop(row: list[int], stop_ids) -> list[int]:
     return row
 
 
-@torch.inference_mode()
-def token_nll(model: Transformer, ids: list[int], policy, prefill_tokens: int | None = None,
+def token_nll(model, ids: list[int], policy, prefill_tokens: int | None = None,
               chunk: int = 256) -> torch.Tensor:
     """Teacher-forced NLL of ids[1:] given their prefixes -> (N-1,) fp32.
 
@@ -143,26 +142,29 @@ def token_nll(model: Transformer, ids: list[int], policy, prefill_tokens: int | 
     as generation does.
     """
     n = len(ids)
-    check_length(model, n - 1, 1)
+    check_length(model.model if hasattr(model, "model") else model, n - 1, 1)
     policy.capacity(n - 1, 1)                      # resolve the slots for n tokens in all
     p0 = n - 1 if not policy.evicts else min(prefill_tokens or policy.slots, n - 1)
     if p0 < 1:
         raise UserError(f"--prefill-tokens must be >= 1 (got {p0})")
-    tokens = torch.tensor([ids], dtype=torch.long, device=model.device)
-    bufs = allocate(model, policy.capacity(p0, n - p0), 1)
-    valid = torch.ones(1, p0, dtype=torch.bool, device=model.device)
-    pos = torch.arange(p0, device=model.device).unsqueeze(0)
-    h = forward(model, tokens[:, :p0], model.step_input(pos, valid), bufs, policy)[0]
-    target = tokens[0, 1:p0 + 1]
-    nll = [_nll(model, h[i:i + chunk], target[i:i + chunk]) for i in range(0, p0, chunk)]
-    for t in range(p0, n - 1):
-        step = model.step_input(torch.full((1,), t, device=model.device), None)
-        h = forward(model, tokens[:, t], step, bufs, policy)
-        nll.append(_nll(model, h, tokens[0, t + 1:t + 2]))
+    engine = as_engine(model)
+    target = torch.tensor(ids, dtype=torch.long, device=engine.tiers.compute)
+    nll = []
+
+    def consume(i, k, h, head):
+        if i == 0:
+            h = h[0]
+            nll.extend(_nll(head, h[a:a + chunk], target[a + 1:a + 1 + chunk])
+                       for a in range(0, p0, chunk))
+        else:
+            nll.append(_nll(head, h, target[p0 + i:p0 + i + 1]))
+        return target[p0 + i:p0 + i + 1]
+
+    engine.run([ids[:p0]], n - p0, policy, consume)
     return torch.cat(nll)
 
 
-def _nll(model: Transformer, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _nll(head, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """h (n, D), target (n,) -> NLL (n,); chunked callers keep (n, V) logits small."""
-    logp = torch.log_softmax(model.head(h), dim=-1)
+    logp = torch.log_softmax(head(h), dim=-1)
     return -logp.gather(1, target[:, None]).squeeze(1)

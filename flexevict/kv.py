@@ -16,24 +16,34 @@ from __future__ import annotations
 
 import torch
 
+from .compression import Packed4, dequantize, quantize
+
+
+def zeros(shape, dtype, device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
 
 class KVBuffer:
     def __init__(self, capacity: int, rows: int, head_dim: int, dtype, device, kv_heads: int = 1,
-                 layer: int = 0):
+                 layer: int = 0, alloc=zeros):
+        """alloc(shape, dtype, device) -> zeroed tensor: where the slots live (the offloading
+        engine passes pinned or file-backed allocators)."""
         n = capacity + 1
         self.capacity = capacity
         self.kv_heads = kv_heads  # rows = batch * kv_heads, row b * kv_heads + h
         self.layer = layer        # lets a policy keep per-layer constants (HashEvict's projection)
-        self.k = torch.zeros(n, rows, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(n, rows, head_dim, dtype=dtype, device=device)
-        self.score = torch.zeros(n, rows, dtype=torch.float32, device=device)
-        self.state = torch.zeros(n, rows, dtype=torch.float32, device=device)
-        self.pos = torch.full((n, rows), -1, dtype=torch.int32, device=device)
-        self.valid = torch.zeros(n, rows, dtype=torch.bool, device=device)
+        self.k = alloc((n, rows, head_dim), dtype, device)
+        self.v = alloc((n, rows, head_dim), dtype, device)
+        self.score = alloc((n, rows), torch.float32, device)
+        self.state = alloc((n, rows), torch.float32, device)
+        self.pos = alloc((n, rows), torch.int32, device)
+        self.pos.fill_(-1)
+        self.valid = alloc((n, rows), torch.bool, device)
         self.used = 0            # committed slots filled (the same for every row)
         self.ring_start = 0      # ring policies: first slot of the recent queue
         self.cursor = 0          # ring policies: slot of the oldest recent token
         self.rows_index = torch.arange(rows, device=device)
+        self.dirty: list | None = None   # K/V slots written since the last store (None: all)
 
     @property
     def scratch(self) -> int:
@@ -43,7 +53,24 @@ class KVBuffer:
         return (self.k, self.v, self.score, self.state, self.pos, self.valid)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return sum(t.nbytes if isinstance(t, Packed4) else t.numel() * t.element_size()
+                   for t in self.tensors())
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    # ------------------------------------------------------------------ dirty tracking
+    # An offloaded cache is copied to the compute device whole (it is budget-sized) but written
+    # back only where K/V changed: the slots written or moved into since the last store.
+    def mark(self, slots) -> None:
+        """K/V changed at `slots`: an int (every row) or an index tensor (..., rows)."""
+        if self.dirty is not None:
+            self.dirty.append(slots)
+
+    def touch_all(self) -> None:
+        """K/V changed anywhere (prefill, compaction): the next store copies everything."""
+        self.dirty = None
 
     # ------------------------------------------------------------------ prompt
     def store_prompt(self, k, v, pos, valid, score=None, keep: torch.Tensor | None = None):
@@ -64,6 +91,7 @@ class KVBuffer:
         self.score[:n] = score if score is not None else 0.0
         self.state[:n] = 0.0
         self.used = n
+        self.touch_all()
 
     # ------------------------------------------------------------------ decode
     def incoming_slot(self) -> int:
@@ -74,6 +102,7 @@ class KVBuffer:
         """Write one token for every row. k, v: (rows, d); pos: (rows,)."""
         self.k[slot] = k
         self.v[slot] = v
+        self.mark(slot)
         self.pos[slot] = pos
         self.valid[slot] = True
         self.score[slot] = 0.0
@@ -93,6 +122,7 @@ class KVBuffer:
         rows = self.rows_index
         for t in self.tensors():
             t[dst, rows] = t[src, rows]
+        self.mark(dst)
 
     def replace(self, victims: torch.Tensor) -> None:
         """Commit the scratch token into `victims` (rows,); a victim equal to scratch drops it."""
@@ -126,3 +156,66 @@ def gather_prompt(order: torch.Tensor, k, v, pos, valid, scores=None):
     take = lambda t: t.gather(0, order.unsqueeze(-1).expand(-1, -1, t.shape[-1]))  # noqa: E731
     return (take(k), take(v), pos.gather(0, order), valid.gather(0, order),
             None if scores is None else scores.gather(0, order))
+
+
+# ------------------------------------------------------------------------------ offloading
+_NOT_STATE = ("rows_index", "dirty")
+
+
+def load_into(work: KVBuffer, home: KVBuffer) -> None:
+    """Copy a home buffer (any tier, K/V possibly 4-bit compressed) into a working buffer on
+    the compute device: every slot, every policy field (tensors a policy attached, counters)."""
+    for name, value in vars(home).items():
+        if name in _NOT_STATE:
+            continue
+        if isinstance(value, Packed4):
+            getattr(work, name).copy_(dequantize(value.to(work.device, non_blocking=True)))
+        elif isinstance(value, torch.Tensor):
+            mine = getattr(work, name, None)
+            if mine is None or mine.shape != value.shape or mine.dtype != value.dtype:
+                setattr(work, name, value.to(work.device, copy=True))
+            else:
+                mine.copy_(value, non_blocking=True)
+        else:
+            setattr(work, name, value)
+    work.dirty = []
+
+
+def store_into(home: KVBuffer, work: KVBuffer) -> int:
+    """Write a working buffer back to its home: K/V only where they changed, everything else
+    whole (scores, positions and policy state are a few bytes per slot). -> bytes copied."""
+    moved = 0
+    for name, value in vars(work).items():
+        if name in _NOT_STATE or name in ("k", "v"):
+            continue
+        if isinstance(value, torch.Tensor):
+            mine = getattr(home, name, None)
+            if mine is None or mine.shape != value.shape or mine.dtype != value.dtype:
+                setattr(home, name, value.to(home.device, copy=True))
+            else:
+                mine.copy_(value)
+            moved += value.numel() * value.element_size()
+        else:
+            setattr(home, name, value)
+    rows = slice(None)
+    for slots in ([rows] if work.dirty is None else work.dirty):
+        if isinstance(slots, torch.Tensor):            # one slot per row: (..., rows)
+            src, dst = (slots, work.rows_index), (slots.to(home.device), home.rows_index)
+        else:
+            src = dst = slots
+        for mine, value in ((home.k, work.k), (home.v, work.v)):
+            moved += _assign(mine, dst, value[src])
+    work.dirty = []
+    return moved
+
+
+def _assign(dst, index, src: torch.Tensor) -> int:
+    """dst[index] = src, for a tensor or 4-bit codes (src quantised first) -> bytes written."""
+    if isinstance(dst, Packed4):
+        p = quantize(src)
+        parts = ((dst.codes, p.codes), (dst.scale, p.scale), (dst.low, p.low))
+    else:
+        parts = ((dst, src),)
+    for d, s in parts:
+        d[index] = s.to(d.device)
+    return sum(s.numel() * s.element_size() for _, s in parts)

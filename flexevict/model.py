@@ -171,9 +171,13 @@ def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
 class Transformer:
     """A white-box decoder (OPT or LLaMA) over explicit weights."""
 
-    def __init__(self, config: ModelConfig, layers: list[dict], outer: dict):
+    def __init__(self, config: ModelConfig, layers: list[dict], outer: dict, device=None,
+                 dtype=None):
+        """layers/outer: resident weights (may be empty when an engine streams them and passes
+        each call its loaded weights); device/dtype default to the embedding's."""
         self.config, self.layers, self.outer = config, layers, outer
         self.inv_freq = rope_inv_freq(config) if config.arch == "llama" else None
+        self._device, self._dtype = device, dtype
 
     @classmethod
     def load(cls, config: ModelConfig, source, device="cpu", dtype=torch.float32, progress=None,
@@ -195,11 +199,11 @@ class Transformer:
 
     @property
     def dtype(self):
-        return self.outer["embed"].dtype
+        return self._dtype or self.outer["embed"].dtype
 
     @property
     def device(self):
-        return self.outer["embed"].device
+        return self._device or self.outer["embed"].device
 
     # ------------------------------------------------------------------ embed / head
     def step_input(self, pos: torch.Tensor, valid: torch.Tensor | None) -> StepInput:
@@ -207,24 +211,24 @@ class Transformer:
         mask = prefill_mask(valid) if valid is not None else None
         return StepInput(pos=pos, valid=valid, rope=rope, prefill_mask=mask)
 
-    def embed(self, tokens: torch.Tensor, inp: StepInput) -> torch.Tensor:
-        """tokens (B, S) or (B,) -> hidden (B, S, D) or (B, D)."""
-        o = self.outer
+    def embed(self, tokens: torch.Tensor, inp: StepInput, o: dict | None = None) -> torch.Tensor:
+        """tokens (B, S) or (B,) -> hidden (B, S, D) or (B, D). o: outer weights (default resident)."""
+        o = self.outer if o is None else o
         h = F.embedding(tokens, o["embed"])
         if self.config.arch == "opt":
-            if o["proj_in"] is not None:
+            if o.get("proj_in") is not None:
                 h = linear(h, o["proj_in"])
             pos = inp.pos if inp.valid is None else torch.where(inp.valid, inp.pos, -1)
             h = h + F.embedding(pos + 2, o["pos_embed"])     # OPT's learned positions: offset 2
         return h
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """hidden (..., D) -> fp32 logits (..., V)."""
-        o, c = self.outer, self.config
+    def head(self, h: torch.Tensor, o: dict | None = None) -> torch.Tensor:
+        """hidden (..., D) -> fp32 logits (..., V). o: outer weights (default resident)."""
+        o, c = self.outer if o is None else o, self.config
         if c.arch == "opt":
-            if o["norm_w"] is not None:
-                h = F.layer_norm(h, (c.hidden_size,), o["norm_w"], o["norm_b"], c.norm_eps)
-            if o["proj_out"] is not None:
+            if o.get("norm_w") is not None:
+                h = F.layer_norm(h, (c.hidden_size,), o["norm_w"], o.get("norm_b"), c.norm_eps)
+            if o.get("proj_out") is not None:
                 h = linear(h, o["proj_out"])
         else:
             h = rms_norm(h, o["norm_w"], c.norm_eps)
@@ -232,23 +236,33 @@ class Transformer:
 
     # ------------------------------------------------------------------ one layer
     def layer(self, j: int, h: torch.Tensor, inp: StepInput, buf: KVBuffer, policy) -> torch.Tensor:
-        """One block. h: (B, S, D) in prefill or (B, D) in decode; updates `buf` through `policy`."""
-        c, w = self.config, self.layers[j]
+        """One block with resident weights. h: (B, S, D) in prefill or (B, D) in decode."""
+        w = self.layers[j]
+        return self.mlp_half(w, self.attention_half(w, h, inp, buf, policy))
+
+    def attention_half(self, w: dict, h: torch.Tensor, inp: StepInput, buf: KVBuffer,
+                       policy) -> torch.Tensor:
+        """Norm, attention over `buf` (updated through `policy`), residual. The engine runs the
+        two halves of a block as separate schedule layers with `sep_layer`."""
+        c = self.config
         opt = c.arch == "opt"
         if opt:
             x = F.layer_norm(h, (c.hidden_size,), w["ln1_w"], w["ln1_b"], c.norm_eps) \
                 if c.pre_layer_norm else h
         else:
             x = rms_norm(h, w["norm1"], c.norm_eps)
-        a = linear(self.attention(x, w, inp, buf, policy), w["wo"], w["bo"])
-        h = h + a
+        h = h + linear(self.attention(x, w, inp, buf, policy), w["wo"], w["bo"])
         if opt and not c.pre_layer_norm:
             h = F.layer_norm(h, (c.hidden_size,), w["ln1_w"], w["ln1_b"], c.norm_eps)
-        if opt:
+        return h
+
+    def mlp_half(self, w: dict, h: torch.Tensor) -> torch.Tensor:
+        """Norm, feed-forward (OPT: ReLU MLP; LLaMA: SwiGLU), residual."""
+        c = self.config
+        if c.arch == "opt":
             x = F.layer_norm(h, (c.hidden_size,), w["ln2_w"], w["ln2_b"], c.norm_eps) \
                 if c.pre_layer_norm else h
-            f = linear(torch.relu(linear(x, w["w1"], w["b1"])), w["w2"], w["b2"])
-            h = h + f
+            h = h + linear(torch.relu(linear(x, w["w1"], w["b1"])), w["w2"], w["b2"])
             if not c.pre_layer_norm:
                 h = F.layer_norm(h, (c.hidden_size,), w["ln2_w"], w["ln2_b"], c.norm_eps)
             return h
@@ -300,6 +314,14 @@ class Transformer:
         return out.transpose(1, 2).reshape(b, s, nh * d)
 
     def _decode_attention(self, q, k, v, inp, buf, policy):
+        """Attention and eviction run where the buffer lives (FlexGen's cpu_cache_compute ships
+        the new token's q, k, v to the CPU-resident cache and the output back)."""
+        home = buf.k.device
+        if q.device != home:
+            rope = None if inp.rope is None else tuple(t.to(home) for t in inp.rope)
+            inp = StepInput(pos=inp.pos.to(home), valid=None, rope=rope)
+            out = self._decode_attention(q.to(home), k.to(home), v.to(home), inp, buf, policy)
+            return out.to(q.device)
         c = self.config
         b = q.shape[0]
         nh, nk, d = c.num_heads, c.num_kv_heads, c.dim_head

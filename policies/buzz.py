@@ -247,6 +247,7 @@ class Buzz(Policy):
         at = sel.unsqueeze(-1).expand(-1, -1, buf.k.shape[-1])
         buf.k[:m] = buf.k[:n].gather(0, at)
         buf.v[:m] = buf.v[:n].gather(0, at)
+        buf.touch_all()                           # an offloaded copy is stored back whole
         buf.score[:m] = torch.where(live, buf.score[:n].gather(0, sel), 0.0)
         buf.state[:m] = (old_after.gather(0, sel) & live).float()
         buf.pos[:m] = torch.where(live, buf.pos[:n].gather(0, sel), -1)

@@ -10,6 +10,7 @@ import flexevict.kv
 from flexevict.config import ModelConfig
 from flexevict.errors import UserError
 from flexevict.generation import Sampling, generate, left_pad, token_nll
+from flexevict.engine import Engine
 from flexevict.model import Transformer
 from flexevict.policies import get_policy
 from flexevict.policies.full import Full
@@ -167,8 +168,8 @@ def test_all_stopped_ends_early(monkeypatch):
     free = run(model, prompts)
     stops = (free[0][0], free[1][0])
     calls = []
-    real = G.forward
-    monkeypatch.setattr(G, "forward", lambda *a: calls.append(1) or real(*a))
+    real = Engine._step
+    monkeypatch.setattr(Engine, "_step", lambda *a: calls.append(1) or real(*a))
     out = run(model, prompts, stop_ids=stops)
     assert out == [[free[0][0]], [free[1][0]]]
     assert len(calls) == 1                         # the prefill only: no wasted decode steps

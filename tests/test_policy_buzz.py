@@ -360,8 +360,8 @@ def logits_of(model, ps, n_new, policy):
     out = []
     orig = model.head
 
-    def head(h):
-        out.append(orig(h))
+    def head(h, o=None):
+        out.append(orig(h, o))
         return out[-1]
     model.head = head
     try:

@@ -422,7 +422,7 @@ def traced(monkeypatch, model, prompts, n_new, policy, check=None):
             check(buf)
     monkeypatch.setattr(policy, "after_attention", after)
     real_head = model.head
-    monkeypatch.setattr(model, "head", lambda h: logits.append(real_head(h)) or logits[-1])
+    monkeypatch.setattr(model, "head", lambda h, o=None: logits.append(real_head(h, o)) or logits[-1])
     out = generate(model, prompts, n_new, policy, Sampling(), stop_ids=(), pad_id=0)
     return out, bufs, logits
 

@@ -430,7 +430,7 @@ def test_full_budget_bit_identical(monkeypatch, key, budget, lengths, gen):
         seen = []
         real = model.head
         with monkeypatch.context() as m:
-            m.setattr(model, "head", lambda h: seen.append(real(h)) or seen[-1])
+            m.setattr(model, "head", lambda h, o=None: seen.append(real(h, o)) or seen[-1])
             generate(model, ps, gen, policy, Sampling(), stop_ids=(), pad_id=0)
         return seen
 

@@ -18,7 +18,8 @@ def record(monkeypatch):
     """Capture every step's logits and the buffers of a run."""
     logits, bufs = [], []
     real_head, real_alloc = Transformer.head, gen.allocate
-    monkeypatch.setattr(Transformer, "head", lambda self, h: logits.append(real_head(self, h)) or logits[-1])
+    monkeypatch.setattr(Transformer, "head",
+                        lambda self, h, o=None: logits.append(real_head(self, h, o)) or logits[-1])
 
     def allocate(*args):
         new = real_alloc(*args)

@@ -225,7 +225,7 @@ def run_policy(model, prompts, n, policy, monkeypatch=None, check=None):
     logits = []
     real_head = model.head
     if monkeypatch is not None:
-        monkeypatch.setattr(model, "head", lambda h: logits.append(real_head(h)) or logits[-1])
+        monkeypatch.setattr(model, "head", lambda h, o=None: logits.append(real_head(h, o)) or logits[-1])
     if check is not None:
         real_after = policy.after_attention
 

@@ -1,0 +1,1 @@
+"""`python -m flexevict.bench` (the throughput benchmark) and `python -m flexevict.bench.kernels`."""

@@ -1,0 +1,396 @@
+"""The offloading engine: FlexGen's block schedule over weights, KV buffers and activations
+placed on GPU, CPU and disk.
+
+The grid is (token step i, schedule layer s, GPU batch k). For each step and layer the layer's
+weights are loaded once and reused by every GPU batch; while batch k computes, the next layer's
+weights and the next batch's cache are loaded and the previous batch's cache is stored on their
+own lanes (CUDA streams or copy threads, see offload.py), each wait tied to the buffer it needs.
+
+A schedule layer is the embedding, a transformer block (or, with `sep_layer`, its attention and
+its MLP half as two layers), or the head. KV buffers are the policies' fixed-budget buffers:
+their home is the cache tier; eviction runs where attention runs; an offloaded buffer is
+copied in whole (it is budget-sized) and written back only where K/V changed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import generation as G
+from .compression import Packed4, dequantize, quantize
+from .errors import UserError
+from .kv import KVBuffer, load_into, store_into
+from .model import (LINEAR_WEIGHTS, PackedWeight, Transformer, load_layer_weights,
+                    load_outer_weights, onednn_usable)
+from .offload import DONE, Lane, Tiers, Ticket, Traffic
+from .placement import Placement
+
+POOL = 3          # working buffers in flight: computing, being loaded, being stored
+ATTENTION_KEYS = ("wqkv", "bqkv", "wo", "bo", "ln1_w", "ln1_b", "norm1")
+EMBED_KEYS = ("embed", "pos_embed", "proj_in")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One schedule layer: kind is embed, block, attn, mlp or head; layer is the block index."""
+    kind: str
+    layer: int = -1
+
+    @property
+    def has_cache(self) -> bool:
+        return self.kind in ("block", "attn")
+
+
+@dataclass
+class Home:
+    """Where one weight tensor lives. `data` is ready to compute with when tier is gpu."""
+    tier: str
+    data: object
+
+
+@dataclass
+class RunStats:
+    step_seconds: list = field(default_factory=list)     # per token step, prefill first
+    eviction_seconds: float = 0.0
+    traffic: dict = field(default_factory=dict)
+
+
+def stages_for(num_layers: int, sep_layer: bool) -> list[Stage]:
+    blocks = [Stage(kind, j) for j in range(num_layers)
+              for kind in (("attn", "mlp") if sep_layer else ("block",))]
+    return [Stage("embed"), *blocks, Stage("head")]
+
+
+def split_weights(stage: Stage, layer: dict, outer: dict) -> dict:
+    """The weights a schedule layer reads, in declaration order (None: an absent bias)."""
+    if stage.kind == "embed":
+        w = {k: outer.get(k) for k in EMBED_KEYS}
+    elif stage.kind == "head":
+        w = {k: v for k, v in outer.items() if k not in EMBED_KEYS}
+    elif stage.kind == "attn":
+        w = {k: v for k, v in layer.items() if k in ATTENTION_KEYS}
+    elif stage.kind == "mlp":
+        w = {k: v for k, v in layer.items() if k not in ATTENTION_KEYS}
+    else:
+        w = dict(layer)
+    return w
+
+
+class Engine:
+    """A model under a placement. Build with `Engine.load` (weights placed by the percents) or
+    `Engine.resident` (an already loaded Transformer, everything on its device)."""
+
+    def __init__(self, model: Transformer, placement: Placement, homes: list[dict], tiers: Tiers):
+        self.model, self.placement, self.homes, self.tiers = model, placement, homes, tiers
+        self.config = model.config
+        self.stages = stages_for(self.config.num_layers, placement.sep_layer)
+        compute = tiers.compute
+        disk = any(h.tier == "disk" for hs in homes for h in hs.values()) or \
+            placement.cache_gpu + placement.cache_cpu < 100
+        self.lanes = {"weights": Lane("load-weights", compute, 4 if disk else 1),
+                      "load_cache": Lane("load-cache", compute, 4 if disk else 1),
+                      "store_cache": Lane("store-cache", compute, 4 if disk else 1)}
+        self.traffic = Traffic()
+        self.pack = onednn_usable(compute, model.dtype)
+        self.last_run: RunStats | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def resident(cls, model: Transformer) -> "Engine":
+        stages = stages_for(model.config.num_layers, sep_layer=False)
+        homes = [{k: Home("gpu", v) for k, v in
+                  split_weights(s, model.layers[s.layer] if s.has_cache else {}, model.outer).items()}
+                 for s in stages]
+        return cls(model, Placement(sep_layer=False, overlap=False),
+                   homes, Tiers(model.device, "~/flexevict_offload_dir", pin=False))
+
+    @classmethod
+    def load(cls, config, source, placement: Placement, device, dtype, progress=None) -> "Engine":
+        """Read every weight once from `source` and put it in its tier (FlexGen's
+        init_weight_list); gpu-tier weights are prepared for compute (oneDNN-packed on CPU)."""
+        tiers = Tiers(torch.device(device), placement.offload_dir, placement.pin_weight)
+        model = Transformer(config, [], {}, device=torch.device(device), dtype=dtype)
+        pack = onednn_usable(device, dtype)
+        staging = device if placement.w_gpu == 100 else "cpu"
+        outer = load_outer_weights(config, source, staging, dtype)
+        homes = []
+        for s in stages_for(config.num_layers, placement.sep_layer):
+            if s.kind in ("block", "attn"):
+                layer = load_layer_weights(config, source, s.layer, staging, dtype)
+                if progress:
+                    progress(s.layer)
+            weights = split_weights(s, layer if s.layer >= 0 else {}, outer)
+            tiers_of = placement.weight_tiers([0 if t is None else t.numel()
+                                               for t in weights.values()])
+            homes.append({name: _place(tiers, tier, name, t, pack, placement)
+                          for (name, t), tier in zip(weights.items(), tiers_of)})
+        return cls(model, placement, homes, tiers)
+
+    def close(self):
+        for lane in self.lanes.values():
+            lane.close()
+        self.tiers.close()
+
+    # ------------------------------------------------------------------ weights
+    def weight_bytes(self, tier: str | None = None) -> int:
+        return sum(_nbytes(h.data) for hs in self.homes for h in hs.values()
+                   if tier is None or h.tier == tier)
+
+    def _load_weights(self, s: int) -> Ticket:
+        homes = self.homes[s]
+        streamed = {n: h for n, h in homes.items() if h.tier != "gpu"}
+        if not streamed:
+            return Ticket({n: h.data for n, h in homes.items()})
+        for h in streamed.values():
+            self.traffic.add(h.tier, "gpu", _nbytes(h.data))
+
+        def fetch():
+            w = {n: h.data for n, h in homes.items() if h.tier == "gpu"}
+            for n, h in streamed.items():
+                w[n] = self._to_compute(n, h.data)
+            return w
+        return self.lanes["weights"].submit(fetch)
+
+    def _to_compute(self, name: str, data):
+        if isinstance(data, Packed4):
+            t = dequantize(data.to(self.tiers.compute, non_blocking=True))
+        else:
+            t = data.to(self.tiers.compute, non_blocking=True)
+        return PackedWeight(t) if self.pack and name in LINEAR_WEIGHTS else t
+
+    # ------------------------------------------------------------------ one run
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], steps: int, policy, consume, pad_id: int = 0,
+            until=None) -> RunStats:
+        """Prefill the prompts and decode steps - 1 more tokens.
+
+        consume(i, k, h, head) is called at every step i for every GPU batch k with the final
+        hidden states h ((b, S, D) at prefill, (b, D) after) and head(x) -> fp32 logits; it
+        returns that batch's next input tokens (b,). until() -> True stops after a step.
+        """
+        p = self.placement
+        tokens, valid, pos = G.left_pad(prompts, pad_id, self.tiers.compute)
+        G.check_length(self.model, max(len(x) for x in prompts), steps)
+        gbs, nb = p.batch_split(len(prompts))
+        capacity = policy.capacity(tokens.shape[1], steps)
+        timed = TimedPolicy(policy, self.tiers.compute)
+        cache = self._allocate_cache(capacity, gbs, nb)
+        self._pool, self._stored = [None] * POOL, [DONE] * POOL
+        batches = [slice(k * gbs, (k + 1) * gbs) for k in range(nb)]
+        inputs = [self.model.step_input(pos[b], valid[b]) for b in batches]
+        feed = [tokens[b] for b in batches]
+        next_pos = valid.sum(dim=1)
+        stats = RunStats()
+        self.traffic.bytes.clear()
+        try:
+            for i in range(steps):
+                t0 = time.perf_counter()
+                if i > 0:
+                    inputs = [self.model.step_input(next_pos[b] + (i - 1), None) for b in batches]
+                feed = self._step(i, feed, inputs, cache, timed, consume)
+                _sync(self.tiers.compute)
+                stats.step_seconds.append(time.perf_counter() - t0)
+                if until is not None and until():
+                    break
+        finally:
+            for lane in self.lanes.values():       # no copy may outlive the run's buffers
+                lane.drain()
+            self._pool = self._stored = None
+        stats.eviction_seconds = timed.seconds()
+        stats.traffic = self.traffic.as_dict()
+        self.last_run = stats
+        return stats
+
+    def _allocate_cache(self, capacity: int, gbs: int, nb: int) -> list[list[KVBuffer]]:
+        """cache[k][j]: GPU batch k's buffer of block j, in its home tier."""
+        cache = []
+        for tier in self.placement.cache_tiers(nb):
+            bufs = G.allocate(self.model, capacity, gbs, self.tiers.alloc(tier))
+            if self.placement.compress_cache:
+                put = lambda x, tier=tier: self.tiers.put(tier, x)   # noqa: E731
+                for b in bufs:
+                    b.k, b.v = quantize(b.k).map(put), quantize(b.v).map(put)
+            cache.append(bufs)
+        return cache
+
+    def _work_device(self, tier: str) -> torch.device:
+        """Attention (and eviction) for a cache in `tier` runs here."""
+        if self.placement.cpu_cache_compute and tier in ("cpu", "disk"):
+            return torch.device("cpu")
+        return self.tiers.compute
+
+    def _step(self, i, feed, inputs, cache, policy, consume):
+        """One token step over the (layer, GPU batch) grid -> next feed per batch."""
+        overlap, nb = self.placement.overlap, len(feed)
+        order = [(s, k) for s in range(len(self.stages)) for k in range(nb)]
+        hidden, out = list(feed), [None] * nb
+        weights = self._load_weights(0) if overlap else None
+        staged = self._load_cache(i, 0, order, cache) if overlap else None
+        for n, (s, k) in enumerate(order):
+            stage = self.stages[s]
+            if k == 0:
+                w = (weights if overlap else self._load_weights(s)).wait()
+                if overlap and s + 1 < len(self.stages):
+                    weights = self._load_weights(s + 1)      # prefetch the next layer's weights
+            buf = (staged if overlap else self._load_cache(i, n, order, cache)).wait()
+            if overlap and n + 1 < len(order):
+                staged = self._load_cache(i, n + 1, order, cache)   # and the next batch's cache
+            h = self._fetch_hidden(hidden[k])
+            if stage.kind == "head":
+                out[k] = consume(i, k, h, lambda x, w=w: self.model.head(x, w))
+                continue
+            h = self._compute(stage, w, h, inputs[k], buf, policy)
+            if buf is not None:
+                self._store_cache(n, stage, k, cache, buf)
+                if not overlap:
+                    self._stored[n % POOL].wait()
+            hidden[k] = self._park_hidden(h)
+        for t in self._stored:
+            t.wait()
+        return out
+
+    def _compute(self, stage: Stage, w, h, inp, buf, policy):
+        m = self.model
+        if stage.kind == "embed":
+            return m.embed(h, inp, w)
+        if stage.kind == "mlp":
+            return m.mlp_half(w, h)
+        if buf is not None and buf.device != h.device and inp.valid is None:
+            self._count_shipping(h.shape[0], buf.device)
+        h = m.attention_half(w, h, inp, buf, policy)
+        return m.mlp_half(w, h) if stage.kind == "block" else h
+
+    # ------------------------------------------------------------------ cache
+    def _cache_tier(self, cache, k: int) -> str:
+        return self.placement.cache_tiers(len(cache))[k]
+
+    def _load_cache(self, i: int, n: int, order, cache) -> Ticket:
+        """Ticket for the buffer that grid cell n = (stage, k) computes with: the home itself,
+        or a working buffer (fresh for a prefill, else a copy of the home) from a pool of
+        POOL, reused once the store of its previous user is done."""
+        s, k = order[n]
+        stage = self.stages[s]
+        if not stage.has_cache:
+            return DONE
+        home, tier = cache[k][stage.layer], self._cache_tier(cache, k)
+        direct_cpu = tier == "cpu" and self.placement.cpu_cache_compute and i > 0
+        if (tier == "gpu" or direct_cpu) and not self.placement.compress_cache:
+            return Ticket(home)
+        if i == 0:                                     # prefill computes on the compute device
+            return Ticket(_like(home, self.tiers.compute))
+        slot = n % POOL
+        work = self._pool[slot]
+        dev = self._work_device(tier)
+        if work is None or work.device != dev or work.k.shape != home.k.shape:
+            work = self._pool[slot] = _like(home, dev)
+        previous = self._stored[slot]
+        self.traffic.add(tier, "cpu" if dev.type == "cpu" and tier == "disk" else "gpu",
+                         home.nbytes())
+
+        def load():
+            previous.wait()                            # its last user's store has finished
+            load_into(work, home)
+            return work
+        return self.lanes["load_cache"].submit(load)
+
+    def _store_cache(self, n: int, stage: Stage, k: int, cache, work: KVBuffer) -> None:
+        home, tier = cache[k][stage.layer], self._cache_tier(cache, k)
+        if work is home:
+            return
+        src = "cpu" if work.device.type == "cpu" and tier == "disk" else "gpu"
+
+        def store():
+            self.traffic.add(src, tier, store_into(home, work))
+        self._stored[n % POOL] = self.lanes["store_cache"].submit(store)
+
+    def _count_shipping(self, b: int, dev):
+        """cpu_cache_compute ships q, k, v of the new token to the cache and the output back."""
+        c, e = self.config, self.model.dtype.itemsize
+        self.traffic.add("gpu", "cpu", b * (c.num_heads + 2 * c.num_kv_heads) * c.dim_head * e)
+        self.traffic.add("cpu", "gpu", b * c.num_heads * c.dim_head * e)
+
+    # ------------------------------------------------------------------ activations
+    def _park_hidden(self, h):
+        if self.placement.act_tier == "gpu":
+            return h
+        self.traffic.add("gpu", "cpu", _nbytes(h))
+        return self.tiers.put("cpu", h)
+
+    def _fetch_hidden(self, h):
+        if self.placement.act_tier == "cpu" and h.is_floating_point():
+            self.traffic.add("cpu", "gpu", _nbytes(h))
+            return h.to(self.tiers.compute, copy=True)
+        return h
+
+
+class TimedPolicy:
+    """A policy whose hooks are timed: eviction bookkeeping (the policy's own work, not the
+    attention it is handed). On CUDA the time comes from events read after the run."""
+
+    HOOKS = ("prefill", "before_attention", "after_attention")
+
+    def __init__(self, policy, device: torch.device):
+        self._policy, self._cuda = policy, device.type == "cuda"
+        self._spent, self._events = 0.0, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._policy, name)
+        if name not in self.HOOKS:
+            return attr
+
+        def timed(*args, **kwargs):
+            if self._cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = attr(*args, **kwargs)
+                b.record()
+                self._events.append((a, b))
+                return out
+            t0 = time.perf_counter()
+            out = attr(*args, **kwargs)
+            self._spent += time.perf_counter() - t0
+            return out
+        return timed
+
+    def seconds(self) -> float:
+        if self._events:
+            torch.cuda.synchronize()
+            self._spent += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._events.clear()
+        return self._spent
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def _place(tiers: Tiers, tier: str, name: str, t: torch.Tensor, pack: bool, placement) -> Home:
+    """Put one weight in its tier: compressed (2-D weights only) when asked, prepacked for
+    oneDNN when it lives on the CPU compute device."""
+    if t is None:
+        return Home("gpu", None)
+    if placement.compress_weight and t.dim() == 2:
+        return Home(tier, quantize(t).map(lambda x: tiers.put(tier, x)))
+    if tier == "gpu":
+        t = t.to(tiers.compute)
+        return Home(tier, PackedWeight(t) if pack and name in LINEAR_WEIGHTS else t)
+    return Home(tier, tiers.put(tier, t))
+
+
+def _like(buf: KVBuffer, device) -> KVBuffer:
+    """An empty working buffer with buf's shape on `device`."""
+    return KVBuffer(buf.capacity, buf.k.shape[1], buf.k.shape[2], buf.k.dtype, device,
+                    kv_heads=buf.kv_heads, layer=buf.layer)
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, PackedWeight):
+        return 0
+    return getattr(x, "nbytes", 0)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

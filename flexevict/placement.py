@@ -1,0 +1,110 @@
+"""Where weights, KV cache and activations live: FlexGen's placement policy.
+
+Six percents (weights, cache, activations on the GPU and on the CPU; the rest of each on disk),
+a block of `gpu_batch_size * num_gpu_batches` sequences, and the switches of FlexGen's `Policy`.
+"GPU" is the compute device's memory: on a machine without CUDA the same placement runs with the
+CPU as the compute device, so every tier and the schedule are exercised without a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import UserError
+
+TIERS = ("gpu", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class Placement:
+    w_gpu: int = 100
+    w_cpu: int = 0
+    cache_gpu: int = 100
+    cache_cpu: int = 0
+    act_gpu: int = 100
+    act_cpu: int = 0
+    gpu_batch_size: int = 0          # 0: the whole batch in one GPU batch
+    num_gpu_batches: int = 1
+    overlap: bool = True
+    sep_layer: bool = True
+    pin_weight: bool = True
+    cpu_cache_compute: bool = False
+    compress_weight: bool = False
+    compress_cache: bool = False
+    offload_dir: str = "~/flexevict_offload_dir"
+
+    @classmethod
+    def from_percent(cls, percent, **flags) -> "Placement":
+        if len(percent) != 6:
+            raise UserError(f"--percent takes six integers (weights, cache, activations on GPU "
+                            f"and CPU), got {len(percent)}")
+        return cls(*percent, **flags).checked()
+
+    def checked(self) -> "Placement":
+        for what, gpu, cpu in self.pairs():
+            if min(gpu, cpu) < 0 or gpu + cpu > 100:
+                raise UserError(f"--percent for {what}: GPU {gpu} + CPU {cpu} must be two "
+                                "non-negative integers summing to at most 100 (the rest is disk)")
+        if self.act_gpu not in (0, 100) and self.act_cpu not in (0, 100):
+            raise UserError("activations must be 100% on one tier (FlexGen's rule); use "
+                            "--percent ... 100 0 or ... 0 100")
+        if self.act_gpu + self.act_cpu != 100:
+            raise UserError("activations on disk are not supported; put them on the GPU or CPU "
+                            "(last two --percent values 100 0 or 0 100)")
+        if self.gpu_batch_size < 0 or self.num_gpu_batches < 1:
+            raise UserError(f"--gpu-batch-size must be >= 1 and --num-gpu-batches >= 1 (got "
+                            f"{self.gpu_batch_size} and {self.num_gpu_batches})")
+        if self.compress_cache and self.cache_gpu not in (0, 100) and self.cache_cpu not in (0, 100):
+            raise UserError("--compress-cache needs the cache 100% on one tier (FlexGen's rule)")
+        return self
+
+    def pairs(self):
+        return (("weights", self.w_gpu, self.w_cpu), ("cache", self.cache_gpu, self.cache_cpu),
+                ("activations", self.act_gpu, self.act_cpu))
+
+    @property
+    def percent(self) -> tuple:
+        return (self.w_gpu, self.w_cpu, self.cache_gpu, self.cache_cpu, self.act_gpu, self.act_cpu)
+
+    @property
+    def act_tier(self) -> str:
+        return "gpu" if self.act_gpu == 100 else "cpu"
+
+    def describe(self) -> dict:
+        return {**asdict(self), "percent": list(self.percent)}
+
+    def batch_split(self, n: int) -> tuple[int, int]:
+        """(gpu_batch_size, num_gpu_batches) for n sequences; the product must be n (FlexGen)."""
+        gbs = self.gpu_batch_size or -(-n // self.num_gpu_batches)
+        if gbs * self.num_gpu_batches != n:
+            raise UserError(f"{n} prompts do not split into --num-gpu-batches "
+                            f"{self.num_gpu_batches} x --gpu-batch-size {gbs}; give "
+                            f"gpu_batch_size x num_gpu_batches = {n} prompts")
+        return gbs, self.num_gpu_batches
+
+    def weight_tiers(self, sizes: list[int]) -> list[str]:
+        """Tier of each of a layer's weight tensors, given their sizes in declaration order.
+
+        FlexGen's rule: a tensor goes where the midpoint of its cumulative-size interval falls
+        on the [disk | cpu | gpu] scale, so every layer gets the same split."""
+        return [_tier_at(mid, self.w_gpu, self.w_cpu) for mid in _midpoints(sizes)]
+
+    def cache_tiers(self, num_gpu_batches: int) -> list[str]:
+        """Tier of each GPU batch's cache. A mixed percent splits along whole GPU batches (each
+        one a set of whole sequences), by the same midpoint rule as weights."""
+        return [_tier_at(mid, self.cache_gpu, self.cache_cpu)
+                for mid in _midpoints([1] * num_gpu_batches)]
+
+
+def _midpoints(sizes: list[int]) -> list[float]:
+    total, acc, out = sum(sizes) or 1, 0, []
+    for s in sizes:
+        out.append(100.0 * (acc + s / 2) / total)
+        acc += s
+    return out
+
+
+def _tier_at(percent_point: float, gpu: int, cpu: int) -> str:
+    disk = 100 - gpu - cpu
+    if percent_point < disk:
+        return "disk"
+    return "cpu" if percent_point < disk + cpu else "gpu"
