@@ -15,9 +15,10 @@ import torch
 
 from .config import ModelConfig, registry_config, with_overrides
 from .errors import UserError
+from .engine import Engine
 from .generation import Sampling, generate, token_nll
-from .model import Transformer
 from .packaged import PACKAGED_MODELS
+from .placement import Placement
 from .policies import PolicySpec
 from .tokenizer import load_tokenizer
 from .weights import DUMMY, config_for_path, open_weights
@@ -60,11 +61,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class LLM:
-    """A loaded model with its tokenizer."""
+    """A model loaded under a placement (default: everything on the device), with its
+    tokenizer. Generation and scoring both run on the offloading engine."""
 
     def __init__(self, model: str = "smollm2-135m", path: str | None = None,
                  device: str | None = "cpu", dtype: str | None = None, seed: int = 0,
-                 progress: bool = False):
+                 progress: bool = False, placement: Placement | None = None):
         self.config, self.path = resolve_model(model, path)
         self.device = resolve_device(device)
         if dtype is None:
@@ -79,9 +81,11 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=self.config.num_layers, desc="loading", unit="layer", file=sys.stderr,
                        disable=None)          # no bar when stderr is not a terminal
+        self.placement = placement or Placement()
         try:
-            self.model = Transformer.load(self.config, source, self.device, DTYPES[dtype],
-                                          progress=(lambda j: bar.update(1)) if bar else None)
+            self.engine = Engine.load(self.config, source, self.placement, self.device,
+                                      DTYPES[dtype],
+                                      progress=(lambda j: bar.update(1)) if bar else None)
         finally:
             source.close()
             if bar:
@@ -93,9 +97,13 @@ class LLM:
                  batch_size: int = 8, stop_ids=None, progress: bool = False) -> list[dict]:
         """-> one dict per prompt, in order: {"completion", "tokens", "ids"}.
 
-        Prompts are grouped by length into batches of `batch_size` to limit padding. The
-        policy's resolved budget of each batch is appended to `self.resolved`.
+        Prompts are grouped by length into batches of `batch_size` (with --gpu-batch-size:
+        gpu_batch_size x num_gpu_batches) to limit padding. The policy's resolved budget of each
+        batch is appended to `self.resolved`.
         """
+        p = self.placement
+        if p.gpu_batch_size:
+            batch_size = p.gpu_batch_size * p.num_gpu_batches
         if batch_size < 1:
             raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
         spec = as_spec(policy)
@@ -111,7 +119,7 @@ class LLM:
                        disable=None)
         for batch in batches:
             pol = spec.make()
-            outs = generate(self.model, [encoded[i] for i in batch], max_new_tokens, pol,
+            outs = generate(self.engine, [encoded[i] for i in batch], max_new_tokens, pol,
                             sampling, stop, self.pad_id)
             self.resolved.append(pol.describe())
             for i, ids in zip(batch, outs):
@@ -129,6 +137,10 @@ class LLM:
         return c.pad_token_id if c.pad_token_id is not None else (c.eos_token_ids or (0,))[0]
 
     # ------------------------------------------------------------------ scoring
+    def close(self):
+        """Stop the copy threads and delete this run's offload files."""
+        self.engine.close()
+
     def score_ids(self, ids: list[int], policy: PolicySpec | str = "full",
                   prefill_tokens: int | None = None) -> dict:
         """Perplexity of ids; with eviction, tokens after the prefill go one at a time through
@@ -136,7 +148,7 @@ class LLM:
         if len(ids) < 2:
             raise UserError(f"text has {len(ids)} token(s); perplexity needs at least 2")
         pol = as_spec(policy).make()
-        nll = token_nll(self.model, ids, pol, prefill_tokens)
+        nll = token_nll(self.engine, ids, pol, prefill_tokens)
         mean = float(nll.double().mean())
         self.resolved.append(pol.describe())
         return {"tokens": len(ids), "nll": mean, "ppl": math.exp(mean), "slots": pol.slots}

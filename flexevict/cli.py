@@ -21,6 +21,48 @@ def add_model_args(p: argparse.ArgumentParser):
                    help="default: float32 on CPU, float16 on GPU")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and sampling")
     add_policy_args(p)
+    add_placement_args(p)
+
+
+def str2bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got '{v}'")
+
+
+def add_placement_args(p: argparse.ArgumentParser):
+    """FlexGen's placement flags (same names and defaults)."""
+    g = p.add_argument_group("placement (FlexGen semantics; 'GPU' is the compute device)")
+    g.add_argument("--percent", nargs=6, type=int, default=[100, 0, 100, 0, 100, 0],
+                   metavar=("W_GPU", "W_CPU", "CACHE_GPU", "CACHE_CPU", "ACT_GPU", "ACT_CPU"),
+                   help="weights, KV cache and activations on GPU and CPU, in percent; the "
+                        "rest of each is on disk (default 100 0 100 0 100 0)")
+    g.add_argument("--gpu-batch-size", type=int, default=0,
+                   help="sequences per GPU batch (default: the batch split over the GPU batches)")
+    g.add_argument("--num-gpu-batches", type=int, default=1,
+                   help="GPU batches that share each loaded layer's weights (default 1)")
+    for name, default, what in (("overlap", True, "overlap I/O with compute"),
+                                ("sep-layer", True, "schedule attention and MLP as two layers"),
+                                ("pin-weight", True, "pin CPU-resident weights (CUDA only)")):
+        g.add_argument(f"--{name}", type=str2bool, nargs="?", const=True, default=default,
+                       help=f"{what} (default {default})")
+    g.add_argument("--cpu-cache-compute", action="store_true",
+                   help="run decode attention on the CPU where a CPU/disk cache lives")
+    g.add_argument("--compress-weight", action="store_true", help="4-bit group-quantised weights")
+    g.add_argument("--compress-cache", action="store_true", help="4-bit group-quantised KV cache")
+    g.add_argument("--offload-dir", default="~/flexevict_offload_dir",
+                   help="directory for disk-resident weights and cache")
+
+
+def placement_from_args(args):
+    from .placement import Placement
+    return Placement.from_percent(
+        args.percent, gpu_batch_size=args.gpu_batch_size, num_gpu_batches=args.num_gpu_batches,
+        overlap=args.overlap, sep_layer=args.sep_layer, pin_weight=args.pin_weight,
+        cpu_cache_compute=args.cpu_cache_compute, compress_weight=args.compress_weight,
+        compress_cache=args.compress_cache, offload_dir=args.offload_dir)
 
 
 def add_policy_args(p: argparse.ArgumentParser):
@@ -52,7 +94,7 @@ def print_resolved(resolved: list[dict]):
 def load_llm(args, progress: bool = True):
     from .api import LLM
     return LLM(args.model, path=args.path, device=args.device, dtype=args.dtype,
-               seed=args.seed, progress=progress)
+               seed=args.seed, progress=progress, placement=placement_from_args(args))
 
 
 def read_text(path: str) -> str:

@@ -95,6 +95,7 @@ class Engine:
         self.traffic = Traffic()
         self.pack = onednn_usable(compute, model.dtype)
         self.last_run: RunStats | None = None
+        self.wrap_positions = False   # bench --ignore-max-positions: timing-only long runs
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -140,14 +141,16 @@ class Engine:
 
     def _load_weights(self, s: int) -> Ticket:
         homes = self.homes[s]
-        streamed = {n: h for n, h in homes.items() if h.tier != "gpu"}
+        # offloaded weights are copied in; compressed ones (any tier) are decompressed on use
+        streamed = {n: h for n, h in homes.items()
+                    if h.tier != "gpu" or isinstance(h.data, Packed4)}
         if not streamed:
             return Ticket({n: h.data for n, h in homes.items()})
         for h in streamed.values():
             self.traffic.add(h.tier, "gpu", _nbytes(h.data))
 
         def fetch():
-            w = {n: h.data for n, h in homes.items() if h.tier == "gpu"}
+            w = {n: h.data for n, h in homes.items() if n not in streamed}
             for n, h in streamed.items():
                 w[n] = self._to_compute(n, h.data)
             return w
@@ -163,23 +166,25 @@ class Engine:
     # ------------------------------------------------------------------ one run
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], steps: int, policy, consume, pad_id: int = 0,
-            until=None) -> RunStats:
-        """Prefill the prompts and decode steps - 1 more tokens.
+            until=None, plan_steps: int | None = None) -> RunStats:
+        """Prefill the prompts and decode steps - 1 more tokens (the budget is resolved for
+        plan_steps, default steps: a benchmark that cuts the run short keeps the real budget).
 
         consume(i, k, h, head) is called at every step i for every GPU batch k with the final
         hidden states h ((b, S, D) at prefill, (b, D) after) and head(x) -> fp32 logits; it
         returns that batch's next input tokens (b,). until() -> True stops after a step.
         """
-        p = self.placement
         tokens, valid, pos = G.left_pad(prompts, pad_id, self.tiers.compute)
-        G.check_length(self.model, max(len(x) for x in prompts), steps)
-        gbs, nb = p.batch_split(len(prompts))
-        capacity = policy.capacity(tokens.shape[1], steps)
+        if not self.wrap_positions:
+            G.check_length(self.config, max(len(x) for x in prompts), plan_steps or steps)
+        sizes = self.placement.batch_split(len(prompts))
+        capacity = policy.capacity(tokens.shape[1], plan_steps or steps)
         timed = TimedPolicy(policy, self.tiers.compute)
-        cache = self._allocate_cache(capacity, gbs, nb)
+        cache = self._allocate_cache(capacity, sizes)
         self._pool, self._stored = [None] * POOL, [DONE] * POOL
-        batches = [slice(k * gbs, (k + 1) * gbs) for k in range(nb)]
-        inputs = [self.model.step_input(pos[b], valid[b]) for b in batches]
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        batches = [slice(a, a + b) for a, b in zip(starts, sizes)]
+        inputs = [self._step_input(pos[b], valid[b]) for b in batches]
         feed = [tokens[b] for b in batches]
         next_pos = valid.sum(dim=1)
         stats = RunStats()
@@ -188,7 +193,7 @@ class Engine:
             for i in range(steps):
                 t0 = time.perf_counter()
                 if i > 0:
-                    inputs = [self.model.step_input(next_pos[b] + (i - 1), None) for b in batches]
+                    inputs = [self._step_input(next_pos[b] + (i - 1), None) for b in batches]
                 feed = self._step(i, feed, inputs, cache, timed, consume)
                 _sync(self.tiers.compute)
                 stats.step_seconds.append(time.perf_counter() - t0)
@@ -203,11 +208,16 @@ class Engine:
         self.last_run = stats
         return stats
 
-    def _allocate_cache(self, capacity: int, gbs: int, nb: int) -> list[list[KVBuffer]]:
+    def _step_input(self, pos, valid):
+        if self.wrap_positions:                  # timing only: the output is meaningless
+            pos = pos % self.config.max_positions
+        return self.model.step_input(pos, valid)
+
+    def _allocate_cache(self, capacity: int, sizes: list[int]) -> list[list[KVBuffer]]:
         """cache[k][j]: GPU batch k's buffer of block j, in its home tier."""
         cache = []
-        for tier in self.placement.cache_tiers(nb):
-            bufs = G.allocate(self.model, capacity, gbs, self.tiers.alloc(tier))
+        for tier, size in zip(self.placement.cache_tiers(len(sizes)), sizes):
+            bufs = G.allocate(self.model, capacity, size, self.tiers.alloc(tier))
             if self.placement.compress_cache:
                 put = lambda x, tier=tier: self.tiers.put(tier, x)   # noqa: E731
                 for b in bufs:
@@ -283,7 +293,7 @@ class Engine:
         slot = n % POOL
         work = self._pool[slot]
         dev = self._work_device(tier)
-        if work is None or work.device != dev or work.k.shape != home.k.shape:
+        if work is None or work.device != dev or work.valid.shape != home.valid.shape:
             work = self._pool[slot] = _like(home, dev)
         previous = self._stored[slot]
         self.traffic.add(tier, "cpu" if dev.type == "cpu" and tier == "disk" else "gpu",
@@ -379,7 +389,7 @@ def _place(tiers: Tiers, tier: str, name: str, t: torch.Tensor, pack: bool, plac
 
 def _like(buf: KVBuffer, device) -> KVBuffer:
     """An empty working buffer with buf's shape on `device`."""
-    return KVBuffer(buf.capacity, buf.k.shape[1], buf.k.shape[2], buf.k.dtype, device,
+    return KVBuffer(buf.capacity, buf.valid.shape[1], buf.head_dim, buf.dtype, device,
                     kv_heads=buf.kv_heads, layer=buf.layer)
 
 

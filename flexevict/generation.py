@@ -71,8 +71,8 @@ def left_pad(prompts: list[list[int]], pad_id: int, device):
     return tokens.to(device), valid.to(device), pos.to(device)
 
 
-def check_length(model: Transformer, prompt_len: int, new_tokens: int):
-    limit = model.config.max_positions
+def check_length(config, prompt_len: int, new_tokens: int):
+    limit = config.max_positions
     if prompt_len + new_tokens - 1 > limit:
         raise UserError(f"prompt of {prompt_len} tokens + {new_tokens} new tokens exceeds the "
                         f"model's maximum of {limit} positions; shorten the prompt or "
@@ -137,14 +137,13 @@ def token_nll(model, ids: list[int], policy, prefill_tokens: int | None = None,
               chunk: int = 256) -> torch.Tensor:
     """Teacher-forced NLL of ids[1:] given their prefixes -> (N-1,) fp32.
 
-    Without eviction: one prefill. With eviction: a prefill of `prefill_tokens` (default: the
-    policy's slot count), then one token at a time through the decode path, evicting exactly
-    as generation does.
+    A prefill of `prefill_tokens` (default: the policy's slot count with eviction, else all),
+    then one token at a time through the decode path, evicting exactly as generation does.
     """
     n = len(ids)
-    check_length(model.model if hasattr(model, "model") else model, n - 1, 1)
+    check_length(model.config, n - 1, 1)
     policy.capacity(n - 1, 1)                      # resolve the slots for n tokens in all
-    p0 = n - 1 if not policy.evicts else min(prefill_tokens or policy.slots, n - 1)
+    p0 = min(prefill_tokens or (policy.slots if policy.evicts else n - 1), n - 1)
     if p0 < 1:
         raise UserError(f"--prefill-tokens must be >= 1 (got {p0})")
     engine = as_engine(model)
@@ -154,8 +153,8 @@ def token_nll(model, ids: list[int], policy, prefill_tokens: int | None = None,
     def consume(i, k, h, head):
         if i == 0:
             h = h[0]
-            nll.extend(_nll(head, h[a:a + chunk], target[a + 1:a + 1 + chunk])
-                       for a in range(0, p0, chunk))
+            known = target[1:p0 + 1]                   # what each prompt position predicts
+            nll.extend(_nll(head, h[a:a + chunk], known[a:a + chunk]) for a in range(0, p0, chunk))
         else:
             nll.append(_nll(head, h, target[p0 + i:p0 + i + 1]))
         return target[p0 + i:p0 + i + 1]

@@ -32,6 +32,7 @@ class KVBuffer:
         self.capacity = capacity
         self.kv_heads = kv_heads  # rows = batch * kv_heads, row b * kv_heads + h
         self.layer = layer        # lets a policy keep per-layer constants (HashEvict's projection)
+        self.head_dim, self.dtype = head_dim, dtype
         self.k = alloc((n, rows, head_dim), dtype, device)
         self.v = alloc((n, rows, head_dim), dtype, device)
         self.score = alloc((n, rows), torch.float32, device)

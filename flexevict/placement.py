@@ -72,14 +72,16 @@ class Placement:
     def describe(self) -> dict:
         return {**asdict(self), "percent": list(self.percent)}
 
-    def batch_split(self, n: int) -> tuple[int, int]:
-        """(gpu_batch_size, num_gpu_batches) for n sequences; the product must be n (FlexGen)."""
-        gbs = self.gpu_batch_size or -(-n // self.num_gpu_batches)
-        if gbs * self.num_gpu_batches != n:
-            raise UserError(f"{n} prompts do not split into --num-gpu-batches "
-                            f"{self.num_gpu_batches} x --gpu-batch-size {gbs}; give "
-                            f"gpu_batch_size x num_gpu_batches = {n} prompts")
-        return gbs, self.num_gpu_batches
+    def batch_split(self, n: int) -> list[int]:
+        """Sizes of the GPU batches for n sequences: gpu_batch_size each (the last one may be
+        short), or, without --gpu-batch-size, n split as evenly as possible over at most
+        num_gpu_batches batches."""
+        nb, gbs = self.num_gpu_batches, self.gpu_batch_size
+        if gbs and n > gbs * nb:
+            raise UserError(f"{n} prompts exceed one block of --num-gpu-batches {nb} x "
+                            f"--gpu-batch-size {gbs}; raise either or give fewer prompts")
+        gbs = gbs or -(-n // nb)
+        return [min(gbs, n - a) for a in range(0, n, gbs)]
 
     def weight_tiers(self, sizes: list[int]) -> list[str]:
         """Tier of each of a layer's weight tensors, given their sizes in declaration order.

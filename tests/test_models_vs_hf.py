@@ -158,7 +158,7 @@ def test_sliding_window_is_honoured_or_refused(hf_model_factory):
     model = load_engine(folder)
     prompts = prompts_for(1, 13, model.config.vocab_size, seed=1)
     try:
-        G.check_length(model, 13, DECODE_STEPS + 1)
+        G.check_length(model.config, 13, DECODE_STEPS + 1)
     except flexevict.errors.UserError:
         return                                          # refused: fine
     assert_logits_match(hf, model, prompts)
