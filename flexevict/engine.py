@@ -91,7 +91,8 @@ class Engine:
             placement.cache_gpu + placement.cache_cpu < 100
         self.lanes = {"weights": Lane("load-weights", compute, 4 if disk else 1),
                       "load_cache": Lane("load-cache", compute, 4 if disk else 1),
-                      "store_cache": Lane("store-cache", compute, 4 if disk else 1)}
+                      "store_cache": Lane("store-cache", compute, 4 if disk else 2,
+                                          threaded=True)}
         self.traffic = Traffic()
         self.pack = onednn_usable(compute, model.dtype)
         self.last_run: RunStats | None = None

@@ -44,8 +44,9 @@ class Tiers:
     def zeros(self, tier: str, shape, dtype) -> torch.Tensor:
         if tier == "disk":
             return self._file_tensor(shape, dtype)
-        t = torch.zeros(shape, dtype=dtype, device=self.device(tier))
-        return t.pin_memory() if tier == "cpu" and self.pin else t
+        if tier == "cpu" and self.pin:
+            return torch.zeros(shape, dtype=dtype, pin_memory=True)
+        return torch.zeros(shape, dtype=dtype, device=self.device(tier))
 
     def put(self, tier: str, t: torch.Tensor) -> torch.Tensor:
         """A copy of t living in `tier` (weights at load time)."""
@@ -124,12 +125,14 @@ def _record_stream(value, stream):
 class Lane:
     """An ordered copy queue: a CUDA stream, or worker threads (CPU compute, disk I/O)."""
 
-    def __init__(self, name: str, compute: torch.device, threads: int = 1):
+    def __init__(self, name: str, compute: torch.device, threads: int = 1, threaded=False):
+        """threaded: run copies on worker threads even on CUDA (disk I/O, and device-to-host
+        stores, which block the issuing thread until they land)."""
         self.name, self.compute = name, compute
         cuda = compute.type == "cuda"
         self.stream = torch.cuda.Stream(compute) if cuda else None
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix=name) \
-            if (not cuda or threads > 1) else None
+            if (not cuda or threaded or threads > 1) else None
         self.pending: list[Future] = []
 
     def submit(self, fn, *args) -> Ticket:

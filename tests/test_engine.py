@@ -178,3 +178,12 @@ def test_compression_perplexity_on_smollm2(smollm2_path, tmp_path):
     print(f"smollm2 ppl change: 4-bit cache {100 * cache:+.2f}%, 4-bit weights {100 * weights:+.2f}%")
     assert cache != 0 and abs(cache) < 0.05
     assert 0 < weights < 1.0
+
+
+def test_positions_wrap_only_when_asked():
+    e = Engine.resident(model_for("opt"))                         # tiny OPT: 512 positions
+    prompts = rand_prompts([500], seed=6)
+    with pytest.raises(UserError, match="maximum of 512 positions"):
+        generate(e, prompts, 20, get_policy("full"))
+    e.wrap_positions = True                                       # bench --ignore-max-positions
+    assert len(generate(e, prompts, 20, get_policy("h2o", budget=0.2))[0]) == 20
