@@ -187,3 +187,21 @@ def test_positions_wrap_only_when_asked():
         generate(e, prompts, 20, get_policy("full"))
     e.wrap_positions = True                                       # bench --ignore-max-positions
     assert len(generate(e, prompts, 20, get_policy("h2o", budget=0.2))[0]) == 20
+
+
+def test_generate_and_eval_clis_take_placement_flags(tmp_path):
+    from test_cli import TINY, run
+    from flexevict.weights import convert
+    convert(DummyWeights(TINY, seed=3), TINY, str(tmp_path / "m"), "float32", tokenizer="bytes")
+    text = tmp_path / "t.txt"
+    text.write_text("placement must not change what the model computes " * 3)
+    offload = ["--percent", "0", "0", "0", "100", "100", "0", "--num-gpu-batches", "2",
+               "--offload-dir", str(tmp_path / "off")]
+    for cmd in (["generate", "--prompt", "hello there", "--max-new-tokens", "8"],
+                ["eval", "ppl", "--text", str(text), "--max-tokens", "48", "--policy", "h2o",
+                 "--budget", "0.5",
+                 "--json"]):
+        args = [cmd[0], *cmd[1:], "--model", str(tmp_path / "m")]
+        plain, placed = run(*args), run(*args, *offload)
+        assert plain.returncode == placed.returncode == 0, placed.stderr
+        assert plain.stdout == placed.stdout and plain.stdout.strip()
