@@ -5,15 +5,44 @@ a multi-GB CUDA build. Install torch first (`pip install torch==2.13.0` for CPU)
 The CUDA extension (`flexevict._C`, sources in cuda/) is built ahead of time here only when a
 CUDA build of torch is importable; otherwise it is compiled on first GPU use.
 """
+import glob
+import os
+
 from setuptools import setup
+
+
+def cuda_extension() -> dict:
+    """flexevict._C, ahead of time, when a CUDA build of torch and a CUDA toolkit are present
+    (and FLEXEVICT_KERNELS is not 0): the cuda/*.cu kernels for sm_75, sm_80 and sm_90 plus
+    their binding. Otherwise nothing: the kernels are compiled on first GPU use instead, and
+    without a GPU the PyTorch reference runs."""
+    if os.environ.get("FLEXEVICT_KERNELS") == "0":
+        return {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:                      # e.g. an isolated build environment without torch
+        return {}
+    if not torch.version.cuda or CUDA_HOME is None:
+        return {}
+    major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
+    archs = ["75", "80"] + (["90"] if (major, minor) >= (11, 8) else [])
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    sources = sorted(glob.glob("cuda/*.cu")) + ["cuda/binding.cpp"]
+    ext = CUDAExtension("flexevict._C", sources=sources,
+                        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", *gencode]})
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}}
+
 
 setup(
     name="flexevict",
     version="0.1.0",
     description="Offloading throughput engine for LLM inference with KV-cache eviction",
-    packages=["flexevict", "flexevict.bench", "flexevict.policies"],
+    packages=["flexevict", "flexevict.bench", "flexevict.kernels", "flexevict.policies"],
     package_dir={"flexevict": "flexevict", "flexevict.policies": "policies"},
     python_requires=">=3.10",
     install_requires=["numpy", "tqdm", "tokenizers", "safetensors", "gguf", "nvidia-ml-py"],
-    extras_require={"test": ["pytest", "transformers", "accelerate"]},
+    extras_require={"test": ["pytest", "transformers", "accelerate", "matplotlib"],
+                    "plots": ["matplotlib"]},     # `eval sweep` draws its plots with it
+    **cuda_extension(),
 )

@@ -13,13 +13,14 @@ copied in whole (it is budget-sized) and written back only where K/V changed.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from . import generation as G
-from .compression import Packed4, dequantize, quantize
+from .kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
 from .errors import UserError
 from .kv import KVBuffer, load_into, store_into
 from .model import (LINEAR_WEIGHTS, PackedWeight, Transformer, load_layer_weights,
@@ -144,7 +145,7 @@ class Engine:
         homes = self.homes[s]
         # offloaded weights are copied in; compressed ones (any tier) are decompressed on use
         streamed = {n: h for n, h in homes.items()
-                    if h.tier != "gpu" or isinstance(h.data, Packed4)}
+                    if h.tier != "gpu" or isinstance(h.data, Packed4bit)}
         if not streamed:
             return Ticket({n: h.data for n, h in homes.items()})
         for h in streamed.values():
@@ -158,8 +159,8 @@ class Engine:
         return self.lanes["weights"].submit(fetch)
 
     def _to_compute(self, name: str, data):
-        if isinstance(data, Packed4):
-            t = dequantize(data.to(self.tiers.compute, non_blocking=True))
+        if isinstance(data, Packed4bit):
+            t = dequantize_4bit(data.to(self.tiers.compute, non_blocking=True))
         else:
             t = data.to(self.tiers.compute, non_blocking=True)
         return PackedWeight(t) if self.pack and name in LINEAR_WEIGHTS else t
@@ -222,7 +223,7 @@ class Engine:
             if self.placement.compress_cache:
                 put = lambda x, tier=tier: self.tiers.put(tier, x)   # noqa: E731
                 for b in bufs:
-                    b.k, b.v = quantize(b.k).map(put), quantize(b.v).map(put)
+                    b.k, b.v = compressed(b.k, put), compressed(b.v, put)
             cache.append(bufs)
         return cache
 
@@ -381,11 +382,18 @@ def _place(tiers: Tiers, tier: str, name: str, t: torch.Tensor, pack: bool, plac
     if t is None:
         return Home("gpu", None)
     if placement.compress_weight and t.dim() == 2:
-        return Home(tier, quantize(t).map(lambda x: tiers.put(tier, x)))
+        return Home(tier, compressed(t, lambda x: tiers.put(tier, x)))
     if tier == "gpu":
         t = t.to(tiers.compute)
         return Home(tier, PackedWeight(t) if pack and name in LINEAR_WEIGHTS else t)
     return Home(tier, tiers.put(tier, t))
+
+
+def compressed(t: torch.Tensor, put) -> Packed4bit:
+    """t quantised to 4 bits in groups of 64 along its last dim (FlexGen's scheme: along the
+    head dim for the cache, the input features for weights), each part placed by put(tensor)."""
+    p = quantize_4bit(t, group=64, dim=-1)
+    return dataclasses.replace(p, data=put(p.data), min=put(p.min), scale=put(p.scale))
 
 
 def _like(buf: KVBuffer, device) -> KVBuffer:

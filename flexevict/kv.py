@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from .compression import Packed4, dequantize, quantize
 
 
 def zeros(shape, dtype, device) -> torch.Tensor:
@@ -54,8 +53,8 @@ class KVBuffer:
         return (self.k, self.v, self.score, self.state, self.pos, self.valid)
 
     def nbytes(self) -> int:
-        return sum(t.nbytes if isinstance(t, Packed4) else t.numel() * t.element_size()
-                   for t in self.tensors())
+        return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes
+                   for t in self.tensors())          # K/V may be 4-bit codes (Packed4bit)
 
     @property
     def device(self) -> torch.device:
@@ -166,11 +165,12 @@ _NOT_STATE = ("rows_index", "dirty")
 def load_into(work: KVBuffer, home: KVBuffer) -> None:
     """Copy a home buffer (any tier, K/V possibly 4-bit compressed) into a working buffer on
     the compute device: every slot, every policy field (tensors a policy attached, counters)."""
+    from .kernels.quant import Packed4bit, dequantize_4bit
     for name, value in vars(home).items():
         if name in _NOT_STATE:
             continue
-        if isinstance(value, Packed4):
-            getattr(work, name).copy_(dequantize(value.to(work.device, non_blocking=True)))
+        if isinstance(value, Packed4bit):
+            getattr(work, name).copy_(dequantize_4bit(value.to(work.device, non_blocking=True)))
         elif isinstance(value, torch.Tensor):
             mine = getattr(work, name, None)
             if mine is None or mine.shape != value.shape or mine.dtype != value.dtype:
@@ -212,9 +212,10 @@ def store_into(home: KVBuffer, work: KVBuffer) -> int:
 
 def _assign(dst, index, src: torch.Tensor) -> int:
     """dst[index] = src, for a tensor or 4-bit codes (src quantised first) -> bytes written."""
-    if isinstance(dst, Packed4):
-        p = quantize(src)
-        parts = ((dst.codes, p.codes), (dst.scale, p.scale), (dst.low, p.low))
+    from .kernels.quant import Packed4bit, quantize_4bit
+    if isinstance(dst, Packed4bit):
+        p = quantize_4bit(src, group=dst.group, dim=-1)
+        parts = ((dst.data, p.data), (dst.scale, p.scale), (dst.min, p.min))
     else:
         parts = ((dst, src),)
     for d, s in parts:

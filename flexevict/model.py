@@ -359,46 +359,29 @@ class Transformer:
 
 def attention_with_column_sums(q, k, v, mask, valid, scale, block: int = 256, fold=None):
     """Prefill attention that also returns each key's attention received (H2O's column sums),
-    computed over query blocks so the S x S matrix is never materialised whole.
+    without materialising the S x S matrix (a CUDA kernel on a GPU, query blocks otherwise).
 
     q (B, H, S, d), k/v (B, Hk, S, d), mask (B, 1, S, S) bool, valid (B, S) ->
     out (B, H, S, d), column sums (B, Hk, S) fp32 summed over query heads, pad queries excluded.
     fold(acc, p, first, valid) replaces the column sum with a policy's own prompt statistic;
     p (B, Hk, g, c, S) fp32 are the probabilities of query rows [first, first + c).
     """
-    b, h, s, d = q.shape
-    hk = k.shape[1]
-    g = h // hk
-    qg = q.view(b, hk, g, s, d)
-    out = torch.empty_like(q).view(b, hk, g, s, d)
-    colsum = None if fold else torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
-    kt = k.transpose(-1, -2).unsqueeze(2)                          # (B, Hk, 1, d, S)
-    vg = v.unsqueeze(2)
-    for i in range(0, s, block):
-        j = min(i + block, s)                                      # causal: keys [0, j) only
-        logits = (qg[:, :, :, i:j] @ kt[..., :j]).float() * scale  # (B, Hk, g, c, j)
-        logits.masked_fill_(~mask[:, :, None, i:j, :j], float("-inf"))
-        p = logits.softmax(dim=-1)
-        out[:, :, :, i:j] = p.to(v.dtype) @ vg[:, :, :, :j]
-        if fold:                                                   # folds see all S keys
-            colsum = fold(colsum, F.pad(p, (0, s - j)), i, valid)
-        else:
-            p = p * valid[:, None, None, i:j, None]                # pad queries do not vote
-            colsum[..., :j] += p.sum(dim=(2, 3))
-    return out.view(b, h, s, d), colsum
+    from . import kernels
+    return kernels.prefill_attention(q, k, v, mask, valid, scale, block, fold)
 
 
 def attend(q: torch.Tensor, buf: KVBuffer, n: int, scale: float, keys=None):
-    """Decode attention over the buffer's first n slots.
+    """Decode attention over the buffer's first n slots (a CUDA kernel on a GPU).
 
     q: (R, g, d); keys: (n, R, d) to use instead of the cached keys (in-cache RoPE)
     -> out (R, g, d), probs (R, g, n) fp32 (policies sum over g for a kv head).
+    A buffer whose policy accumulates scores (`buf.fused_scores`, see policies/base.py
+    `add_attention`) gets them added here, in the same kernel, and learns which probs they were.
     """
-    keys = (buf.k[:n] if keys is None else keys).transpose(0, 1)  # (R, n, d)
-    vals = buf.v[:n].transpose(0, 1)
-    bias = torch.zeros(buf.valid.shape[1], 1, n, dtype=q.dtype, device=q.device)
-    bias.masked_fill_(~buf.valid[:n].t().unsqueeze(1), float("-inf"))
-    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)   # (R, g, n)
-    p = torch.softmax(scores.float(), dim=-1)
-    out = torch.bmm(p.to(vals.dtype), vals)
+    from . import kernels
+    fused = getattr(buf, "fused_scores", False)
+    out, p = kernels.decode_attention(q, buf.k[:n] if keys is None else keys, buf.v[:n],
+                                      buf.valid[:n], scale, buf.score if fused else None)
+    if fused:
+        buf.scored_probs = p
     return out, p

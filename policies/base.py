@@ -15,8 +15,10 @@ import math
 
 import torch
 
+from flexevict import kernels
 from flexevict.errors import UserError
-from flexevict.kv import KVBuffer, left_aligned
+from flexevict.kernels import kv_head_probs  # noqa: F401 - the policies' helper
+from flexevict.kv import KVBuffer
 
 
 class Policy:
@@ -100,7 +102,8 @@ class RingPolicy(Policy):
     Prefill keeps the last `ring` prompt tokens and the `prefix` best others by
     `prefix_rank` (e.g. H2O's column sums, or earliest-first for sinks). Each full decode step
     commits the new token into the ring; the token leaving the ring competes with the prefix
-    (`choose_victim`), and the loser's slot is reused in place.
+    (`victim_candidates`), and the loser's slot is reused in place (`commit`: one fused
+    selection + commit, `flexevict.kernels.evict_commit`).
     """
     prefix = 0
     ring = 0
@@ -131,57 +134,43 @@ class RingPolicy(Policy):
         buf.ring_start = buf.cursor = self.prefix
         if k.shape[0] <= buf.capacity:
             return buf.store_prompt(k, v, pos, valid, scores)
-        order = left_aligned(valid)
-        rank = self.prefix_rank(scores, pos, valid).gather(0, order)
-        n_real = valid.sum(0)                                         # (rows,)
-        slot = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
-        ring_begin = (n_real - self.ring).clamp(min=0)
-        eligible = slot < ring_begin                                  # older than the ring
-        rank = torch.where(eligible, rank, float("-inf"))
-        top = torch.topk(rank, self.prefix, dim=0, sorted=False)
-        heavy = top.indices.sort(dim=0).values                        # keep position order
-        ring = (ring_begin + torch.arange(self.ring, device=k.device).unsqueeze(1))
-        keep = torch.cat([heavy, ring.clamp(max=k.shape[0] - 1)])     # (capacity, rows)
-        buf.store_prompt(k, v, pos, valid, scores, keep=keep)       # keep is in aligned order
-        # short rows: prefix picks among ineligible tokens and ring slots past the row's real
-        # tokens hold nothing
-        holes = torch.cat([~eligible.gather(0, heavy), ring >= n_real])
-        buf.valid[:buf.capacity] &= ~holes
+        rank = self.prefix_rank(scores, pos, valid)
+        kernels.compact_prompt(buf, k, v, pos, valid, scores, rank, self.prefix, self.ring)
 
     def after_attention(self, buf, slot, probs):
         self.accumulate(buf, slot, probs)
         if slot != buf.scratch:
             return buf.commit_appended(slot)
-        buf.ring_commit(self.choose_victim(buf))
+        self.commit(buf)
 
     def accumulate(self, buf: KVBuffer, slot: int, probs: torch.Tensor) -> None:
         """Update per-slot scores from this step's attention. Default: nothing."""
 
-    def choose_victim(self, buf: KVBuffer) -> torch.Tensor:
-        """(rows,) slot to evict among prefix slots and `buf.cursor`. Default: the oldest recent."""
-        return torch.full_like(buf.rows_index, buf.cursor)
+    def commit(self, buf: KVBuffer) -> torch.Tensor:
+        """Choose each row's victim and commit the scratch token into the ring (one fused op on
+        a GPU); -> victims (rows,)."""
+        end, cursor, value = self.victim_candidates(buf)
+        return kernels.evict_commit(buf, end, cursor=cursor, value=value, commit="ring")
+
+    def victim_candidates(self, buf: KVBuffer):
+        """Which slots compete, by what: (end, cursor, value) = prefix slots [0, end), plus the
+        oldest recent token `buf.cursor` when cursor is True; value (candidates, rows) fp32,
+        the lowest goes (empty slots first, ties: the oldest), or None for `buf.score`.
+        Default: the oldest recent token alone (a sliding window)."""
+        return 0, True, None
 
 
-def lowest(buf: KVBuffer, value: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """Per row, the candidate slot with the lowest value; empty slots first, ties -> oldest.
+def add_attention(buf: KVBuffer, probs: torch.Tensor) -> None:
+    """H2O's accumulation: buf.score[:n] += each slot's attention summed over its query heads.
 
-    value (n, rows) over candidate slots `candidates` (n,) -> (rows,) slot indices.
-    """
-    value = torch.where(buf.valid[candidates], value, float("-inf"))
-    is_min = value == value.min(dim=0, keepdim=True).values
-    age = torch.where(is_min, buf.pos[candidates].to(torch.int64), torch.iinfo(torch.int64).max)
-    return candidates[age.argmin(dim=0)]
-
-
-def prefix_and_cursor(buf: KVBuffer) -> torch.Tensor:
-    """Slots that may be evicted in a ring policy: the prefix and the oldest recent token."""
-    return torch.cat([torch.arange(buf.ring_start, device=buf.k.device),
-                      torch.tensor([buf.cursor], device=buf.k.device)])
-
-
-def kv_head_probs(probs: torch.Tensor) -> torch.Tensor:
-    """(rows, group, n) -> (n, rows): a kv head's score is the sum over its query heads."""
-    return probs.sum(dim=1).t()
+    After the first call the buffer asks `model.attend` to fuse it into the attention kernel
+    (`buf.fused_scores`); attend marks the probabilities it already counted, which are then
+    skipped here. Probabilities that did not come from attend are always added."""
+    if getattr(buf, "scored_probs", None) is probs:
+        buf.scored_probs = None
+        return
+    kernels.accumulate_scores(buf.score, probs)
+    buf.fused_scores = True
 
 
 def _coerce(name: str, value, default):

@@ -68,11 +68,13 @@ import math
 
 import torch
 
+from flexevict import kernels
 from flexevict.errors import UserError
+from flexevict.kernels import buzz_select, compaction
 from flexevict.kv import KVBuffer, left_aligned
 
 from . import register
-from .base import Policy, kv_head_probs
+from .base import Policy, add_attention
 
 MIN_T = 2          # smallest threshold for which a decode pass always fits (any s >= 3)
 
@@ -196,7 +198,7 @@ class Buzz(Policy):
         if not self.evicts:
             return buf.commit_appended(slot)
         n = probs.shape[-1]
-        buf.score[:n] += kv_head_probs(probs)
+        add_attention(buf, probs)
         if slot != buf.scratch:
             buf.commit_appended(slot)
         # buf.used is the longest row's count, so this is "some row's middle exceeds T"; a token
@@ -207,56 +209,16 @@ class Buzz(Policy):
 
     # ------------------------------------------------------------------ the pass
     def select(self, valid, old, score):
-        """One BUZZ pass over slots [0, n) of every row. valid, old (n, R) bool, score (n, R).
-
-        -> keep (n, R), old flag of the kept tokens afterwards (n, R), hit (R,): rows whose
-        middle exceeded T (the others keep every valid token)."""
-        k, w, T, s, sh = self.k, self.w, self.T, self.s, self.sh
-        n = valid.shape[0]
-        rank = valid.long().cumsum(0) - 1              # a valid slot's index among its row's
-        count = valid.sum(0)
-        a = (old & valid).sum(0)
-        hit = count - k - w > T
-        sink = valid & (rank < k)
-        window = valid & (rank >= count - w)
-        middle = valid & ~sink & ~window
-        old_mid = middle & (rank < k + a)
-        new_mid = middle & ~old_mid
-        old_keep = old_mid & ((rank - k) % sh == 0)    # interval sampling
-        chunk = torch.where(new_mid, (rank - k - a) // s, n)          # n: not a new token
-        value = torch.where(new_mid, score, float("-inf"))
-        best = torch.full((n + 1, valid.shape[1]), float("-inf"), device=score.device)
-        best = best.scatter_reduce(0, chunk, value, "amax")
-        is_max = new_mid & (value == best.gather(0, chunk))
-        first = torch.where(is_max, rank, n)
-        first_max = torch.full_like(best, n, dtype=torch.long)
-        first_max = first_max.scatter_reduce(0, chunk, first, "amin")
-        new_keep = is_max & (rank == first_max.gather(0, chunk))      # local max, first on ties
-        sampled = old_keep | new_keep
-        keep = torch.where(hit, sink | window | sampled, valid)
-        old_after = torch.where(hit, sampled, old & valid)
-        return keep, old_after, hit
+        """One BUZZ pass over slots [0, n) of every row (`flexevict.kernels.buzz_select`).
+        valid, old (n, R) bool, score (n, R) -> keep (n, R), old flag of the kept tokens
+        afterwards (n, R), hit (R,): rows whose middle exceeded T."""
+        return buzz_select(valid, old, score, self.k, self.w, self.T, self.s)
 
     def evict(self, buf: KVBuffer, n: int) -> None:
-        """Run a pass over slots [0, n) and compact every row with one gather per tensor."""
-        keep, old_after, _ = self.select(buf.valid[:n], buf.state[:n] > 0.5, buf.score[:n])
-        sel, live = compaction(keep)
-        m = sel.shape[0]
-        if m > buf.capacity:
-            raise RuntimeError(f"BUZZ pass left {m} tokens for {buf.capacity} slots")
-        at = sel.unsqueeze(-1).expand(-1, -1, buf.k.shape[-1])
-        buf.k[:m] = buf.k[:n].gather(0, at)
-        buf.v[:m] = buf.v[:n].gather(0, at)
-        buf.touch_all()                           # an offloaded copy is stored back whole
-        buf.score[:m] = torch.where(live, buf.score[:n].gather(0, sel), 0.0)
-        buf.state[:m] = (old_after.gather(0, sel) & live).float()
-        buf.pos[:m] = torch.where(live, buf.pos[:n].gather(0, sel), -1)
-        buf.valid[:m] = keep.gather(0, sel) & live
-        buf.valid[m:n] = False
-        buf.pos[m:n] = -1
-        buf.score[m:n] = 0.0
-        buf.state[m:n] = 0.0
-        buf.used = m
+        """Run a pass over slots [0, n) and compact every row (one kernel launch on a GPU)."""
+        kernels.buzz_pass(buf, n, self.k, self.w, self.T, self.s)
+        if buf.used > buf.capacity:
+            raise RuntimeError(f"BUZZ pass left {buf.used} tokens for {buf.capacity} slots")
 
 
 @register
@@ -267,13 +229,3 @@ class BuzzLogN(Buzz):
     def logit_scale(self, n_keys: int) -> float:
         """log_base(n) (Sec. 3.5, eq. 7/8): exactly 1 at n = base (512, the pre-training length)."""
         return math.log(n_keys) / math.log(self.opts["base"])
-
-
-def compaction(keep: torch.Tensor):
-    """Per row, the kept slots first in slot order: keep (n, R) bool -> sel (m, R) int64 slot
-    indices with m = the largest kept count, and live (m, R): sel points at a kept slot."""
-    count = keep.sum(0)
-    m = int(count.max())
-    sel = torch.sort((~keep).to(torch.int8), dim=0, stable=True).indices[:m]
-    live = torch.arange(m, device=keep.device).unsqueeze(1) < count
-    return sel, live

@@ -68,11 +68,13 @@ import math
 
 import torch
 
+from flexevict import kernels
 from flexevict.errors import UserError
+from flexevict.kernels import reduce_heads
 from flexevict.kv import left_aligned
 
 from . import register
-from .base import Policy, kv_head_probs
+from .base import Policy
 
 REDUCTIONS = ("mean", "max", "median")
 
@@ -157,57 +159,7 @@ class Cascade(Policy):
             out.append([int(buf.pos[base + (st + k) % size, row]) for k in range(cn)])
         return out
 
-    def _per_sequence(self, x: torch.Tensor, buf) -> torch.Tensor:
-        """x (n, rows) per kv head -> (n, rows) reduced over each sequence's kv heads (rho)."""
-        kv = getattr(buf, "kv_heads", 1)
-        n, rows = x.shape
-        if kv <= 1:
-            return x
-        g = x.view(n, rows // kv, kv)
-        how = self.opts["reduce"]
-        r = g.mean(-1) if how == "mean" else g.amax(-1) if how == "max" else g.median(-1).values
-        return r.unsqueeze(-1).expand(n, rows // kv, kv).reshape(n, rows)
-
     # ------------------------------------------------------------------ the insertion
-    def _plan(self, buf, mu, t):
-        """One insertion (Algorithm 1) of the token in the scratch slot, for every row at once
-        (decode: rows of a ragged batch have different t, hence their own counters).
-
-        mu (slots, rows) scores, t (rows,) int64 token index. Updates the per-row start/count and returns (src, dst), both (N + 1, rows): one
-        simultaneous move (all sources read before any destination is written) that performs
-        the whole cascade; pairs that do nothing read and write the scratch slot.
-        """
-        sc, S = buf.scratch, self.sinks
-        start, count = buf.cascade_start, buf.cascade_count
-        base, size = buf.cascade_base, buf.cascade_size
-        sink = t < S
-        acc = (t - S).remainder(buf.cascade_period) == 0                      # (N, rows)
-        if self.opts["eager_fill"]:
-            acc = acc | (count.sum(0) < sum(self.sizes))
-        full, empty = count == size, count == 0
-        push = acc & full
-        # the item reaches level i iff every level before it pushed (and evicted its oldest)
-        reach = torch.cat([torch.ones_like(push[:1]), push[:-1]]).long().cumprod(0)
-        alive = reach.bool() & ~sink
-        oldest = base + start
-        newest = base + (start + count - 1).remainder(size)
-        tail = base + (start + count).remainder(size)
-        scratch = torch.full_like(t, sc).unsqueeze(0)
-        carry = torch.cat([scratch, oldest[:-1]])           # slot holding the item at level i
-        mu_in, mu_new = mu.gather(0, carry), mu.gather(0, newest)
-        win = mu_in >= mu_new if self.opts["tie_replace"] else mu_in > mu_new
-        do_push = alive & push
-        do_append = alive & ~push & (acc | empty)
-        do_win = alive & ~acc & ~empty & win
-        dst = torch.where(do_push, oldest, torch.where(do_append, tail, newest))
-        moved = do_push | do_append | do_win
-        dst = torch.where(moved, dst, sc)
-        src = torch.where(moved, carry, sc)
-        start.copy_(torch.where(do_push, (start + 1).remainder(size), start))
-        count.add_(do_append.to(count.dtype))
-        sink_dst = torch.where(sink, t, sc).unsqueeze(0)
-        return torch.cat([scratch, src]), torch.cat([sink_dst, dst])
-
     def _schedule(self, p: int) -> tuple:
         """The insertion's structure for prompt tokens 0..p-1 (the same for every row and layer:
         which slots move where depends only on t and the fill counts, never on scores).
@@ -277,7 +229,7 @@ class Cascade(Policy):
             proxy = torch.zeros(p, rows, dtype=torch.float32, device=dev)
         else:   # the EMA-weighted column sums of `prompt_scores`, reduced over heads
             proxy = torch.where(real, scores.float().gather(0, order), 0.0)
-            proxy = self._per_sequence(proxy, buf)
+            proxy = reduce_heads(proxy, getattr(buf, "kv_heads", 1), self.opts["reduce"])
         # insert the prompt token by token (left-aligned, so token i has t = i in every row) on
         # index maps: which prompt token each slot holds, and its score
         _, hist = self._schedule(p)
@@ -316,9 +268,6 @@ class Cascade(Policy):
     def after_attention(self, buf, slot, probs):
         if not self.evicts or slot != buf.scratch:
             return buf.commit_appended(slot)
-        S, n, g = self.sinks, probs.shape[-1], self.gamma
-        s = self._per_sequence(kv_head_probs(probs), buf)                     # (n, rows)
-        buf.state[S:n].mul_(g).add_(s[S:], alpha=1.0 - g)
-        src, dst = self._plan(buf, buf.state, buf.pos[buf.scratch].to(torch.int64))
-        buf.move(src, dst)
-        buf.valid[buf.scratch] = False
+        # EMA of every non-sink slot (new token included), then Algorithm 1: one launch on a GPU
+        kernels.cascade_update(buf, probs, self.sinks, self.gamma, self.opts["reduce"],
+                               sum(self.sizes), self.opts["tie_replace"], self.opts["eager_fill"])

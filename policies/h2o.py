@@ -10,10 +10,8 @@ the token leaving the recent window (ties: the oldest), and reuses its slot in p
 and the token leaving the window is always promoted; only heavy slots compete. From the second
 decode step on it equals `h2o` with one fewer heavy and one more recent slot.
 """
-import torch
-
 from . import register
-from .base import RingPolicy, kv_head_probs, lowest, prefix_and_cursor
+from .base import RingPolicy, add_attention
 
 
 @register
@@ -28,12 +26,10 @@ class H2O(RingPolicy):
         return scores
 
     def accumulate(self, buf, slot, probs):
-        n = probs.shape[-1]
-        buf.score[:n] += kv_head_probs(probs)
+        add_attention(buf, probs)
 
-    def choose_victim(self, buf):
-        slots = prefix_and_cursor(buf)
-        return lowest(buf, buf.score[slots], slots)
+    def victim_candidates(self, buf):
+        return buf.ring_start, True, None              # heavy hitters + the oldest recent
 
 
 @register
@@ -43,6 +39,5 @@ class H2ORing(H2O):
     def prefix_slots(self, capacity: int) -> int:
         return (capacity + 1) // 2
 
-    def choose_victim(self, buf):
-        slots = torch.arange(buf.ring_start, device=buf.k.device)
-        return lowest(buf, buf.score[slots], slots)
+    def victim_candidates(self, buf):
+        return buf.ring_start, False, None             # only heavy hitters compete

@@ -58,13 +58,14 @@ from __future__ import annotations
 
 import torch
 
+from flexevict import kernels
 from flexevict.errors import UserError
+from flexevict.kernels import WORD_BITS, hamming, hash_codes, popcount
 from flexevict.kv import KVBuffer, gather_prompt, left_aligned
 
 from . import register
-from .base import RingPolicy, lowest
+from .base import RingPolicy
 
-WORD_BITS = 32          # hash bits per int64 word (values stay non-negative)
 STATE_BITS = 24         # fp32 holds every integer below 2**24 exactly
 
 
@@ -74,34 +75,6 @@ def projection(bits: int, head_dim: int, seed: int, layer: int = 0) -> torch.Ten
     """The Gaussian LSH matrix R (bits, head_dim) fp32 on CPU, fixed by (seed, layer)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
     return torch.randn(bits, head_dim, generator=gen)
-
-
-def hash_codes(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
-    """SimHash codes: x (..., d) -> (..., words) int64; bit j of the code (bit j % 32 of word
-    j // 32) is 1 iff (R x)_j >= 0 (the paper's Heaviside, Eq. 2)."""
-    bits = (x.to(torch.float32) @ proj.t()) >= 0                     # (..., c)
-    c = bits.shape[-1]
-    words = -(-c // WORD_BITS)
-    bits = torch.nn.functional.pad(bits.to(torch.int64), (0, words * WORD_BITS - c))
-    weight = torch.ones(WORD_BITS, dtype=torch.int64, device=x.device) << \
-        torch.arange(WORD_BITS, device=x.device)
-    return (bits.view(*bits.shape[:-1], words, WORD_BITS) * weight).sum(-1)
-
-
-def popcount(x: torch.Tensor) -> torch.Tensor:
-    """Set bits of each non-negative int64 below 2**32 (SWAR; torch has no popcount)."""
-    x = x - ((x >> 1) & 0x55555555)
-    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-    x = (x + (x >> 4)) & 0x0F0F0F0F
-    x = x + (x >> 8)
-    return (x + (x >> 16)) & 0x3F
-
-
-def hamming(hq: torch.Tensor, hk: torch.Tensor) -> torch.Tensor:
-    """Distance of every key code to a kv head's query codes, summed over its query heads.
-
-    hq (rows, group, words), hk (n, rows, words) -> (n, rows) int64."""
-    return popcount(hq.unsqueeze(0) ^ hk.unsqueeze(2)).sum(dim=(-1, -2))
 
 
 # ------------------------------------------------------------------------------ policy
@@ -254,13 +227,9 @@ class HashEvict(RingPolicy):
         if slot != buf.scratch:
             return
         hq = hash_codes(q, proj) if self.opts["hash_source"] == "query" else hk.unsqueeze(1)
-        cand = torch.cat([torch.arange(buf.ring_start, device=buf.k.device),
-                          torch.tensor([buf.cursor], device=buf.k.device)])
-        value = -hamming(hq, self._get(buf, cand)).to(torch.float32)        # (n, rows)
-        value[:self.opts["sinks"]] = float("inf")                           # valid sinks stay
-        victims = lowest(buf, value, cand)          # empty first, else farthest; ties: oldest
-        buf.valid[victims, buf.rows_index] = False
-        buf.hash_victims = victims
+        # empty first, else the farthest; ties: the oldest; valid sinks stay (one launch)
+        buf.hash_victims = kernels.hash_victims(buf, hq, self.opts["sinks"],
+                                                None if self.in_state else buf.hash)
 
     def after_attention(self, buf, slot, probs):
         if slot != buf.scratch:
@@ -270,4 +239,4 @@ class HashEvict(RingPolicy):
             h, rows = buf.hash, buf.rows_index
             h[victims, rows] = h[buf.cursor, rows]
             h[buf.cursor] = h[buf.scratch]
-        buf.ring_commit(victims)
+        kernels.ring_commit(buf, victims)

@@ -32,9 +32,9 @@ dropped and its slot reused in place. Decisions:
   leaving the window is subtracted from the counter.
 - Importance (higher = more important) per slot in `buf.score`: `window - count`, non-negative and
   in the paper's order, so a subclass can scale it: `importance(buf, slots)` is what eviction
-  compares, `pick_victim(buf, importance, slots)` drops the lowest (empty slots first, ties: the
-  oldest), `prompt_rank(...)` ranks the prompt. `buf.state` is left free for a subclass (VATP:
-  value norms).
+  compares (the lowest goes, empty slots first, ties: the oldest; `victim_candidates` names
+  the candidates), `prompt_rank(...)` ranks the prompt. `buf.state` is left free for a
+  subclass (VATP: value norms).
 - `score=attention`: the VATP paper's reading of Scissorhands (its Eq. 3, the base VATP scales):
   importance = the attention summed over the last `window` queries, exact in decode via a ring
   of `window` fp32 rows per slot (heavy: 4 * window bytes per slot and row); `window=0` sums over
@@ -54,7 +54,7 @@ import torch
 from flexevict.errors import UserError
 
 from . import register
-from .base import RingPolicy, kv_head_probs, lowest, prefix_and_cursor
+from .base import RingPolicy, kv_head_probs
 
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.uint8)
 
@@ -91,14 +91,9 @@ class Scissorhands(RingPolicy):
         """(len(slots), rows) importance of the tokens in `slots`; higher is kept."""
         return buf.score[slots]
 
-    def pick_victim(self, buf, importance: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """(rows,) slot to drop among `slots` given their importance: the lowest (empty first,
-        ties: the oldest)."""
-        return lowest(buf, importance, slots)
-
-    def choose_victim(self, buf):
-        slots = prefix_and_cursor(buf)
-        return self.pick_victim(buf, self.importance(buf, slots), slots)
+    def victim_candidates(self, buf):
+        # the lowest importance (buf.score) among the kept tokens and the oldest recent goes
+        return buf.ring_start, True, None
 
     def prompt_rank(self, base, k, v, pos, valid) -> torch.Tensor:
         """(S, rows) rank of the prompt tokens for the kept set, from their base importance
@@ -195,11 +190,11 @@ class Scissorhands(RingPolicy):
         self.accumulate(buf, slot, probs)
         if slot != buf.scratch:
             return buf.commit_appended(slot)
-        victims = self.choose_victim(buf)
+        cursor = buf.cursor                        # the commit advances it
+        victims = self.commit(buf)
         hist, rows = self.hist(buf), buf.rows_index
-        hist[:, victims, rows] = hist[:, buf.cursor, rows]           # as ring_commit moves them
-        hist[:, buf.cursor] = hist[:, buf.scratch]
-        buf.ring_commit(victims)
+        hist[:, victims, rows] = hist[:, cursor, rows]               # as ring_commit moved them
+        hist[:, cursor] = hist[:, buf.scratch]
 
     def accumulate(self, buf, slot, probs):
         n = probs.shape[-1]

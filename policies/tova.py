@@ -40,11 +40,12 @@ new token in the scratch slot (k + 1 states, as in the authors' cache, which is 
 """
 import torch
 
+from flexevict import kernels
 from flexevict.errors import UserError
 from flexevict.kv import gather_prompt, left_aligned
 
 from . import register
-from .base import Policy, kv_head_probs, lowest
+from .base import Policy, kv_head_probs
 
 
 @register
@@ -106,5 +107,5 @@ class TOVA(Policy):
         buf.score[:n] = self.group(buf, kv_head_probs(probs))
         if slot != buf.scratch:
             return buf.commit_appended(slot)
-        candidates = torch.arange(n, device=buf.k.device)       # committed slots + scratch
-        buf.replace(lowest(buf, buf.score[:n], candidates))
+        # candidates: every committed slot and the scratch slot (a scratch victim drops it)
+        kernels.evict_commit(buf, n, cursor=False, commit="replace")

@@ -10,7 +10,7 @@ importance score and intentionally keeping attention sink tokens"):
   committed slots heavy and half recent (App. A), exactly `h2o` of this package. `buf.score`
   keeps S_k (prompt column sums, then every decode step's probabilities); the importance
   S_k * ||v_k||_1 is formed only where a decision is made - the prefill selection
-  (`prefix_rank`) and each full step's victim (`choose_victim`). Since ||v_k|| is fixed once the
+  (`prefix_rank`) and each full step's victim (`victim_candidates`). Since ||v_k|| is fixed once the
   token exists, this equals the paper's incremental `I += a * ||v||` (seed-vatp.md §2.2).
 - `base=scissorhands` ("Scissorhands w/ VATP", Eq. 3): the same rule over the `scissorhands`
   policy of this package, imported lazily (`_scissorhands_variant`), with the VATP paper's
@@ -51,8 +51,9 @@ import torch
 
 from flexevict.errors import UserError
 
+from flexevict.kernels import candidate_slots
+
 from . import register
-from .base import lowest, prefix_and_cursor
 from .h2o import H2O
 
 NORMS = ("l1", "l2", "linf", "none")
@@ -133,11 +134,11 @@ class ValueAware:
         hook = getattr(super(), "importance", None)
         return hook(buf, slots) if hook is not None else buf.score[slots]
 
-    def choose_victim(self, buf):
-        slots = prefix_and_cursor(buf)
+    def victim_candidates(self, buf):
+        slots = candidate_slots(buf, buf.ring_start, True)
         imp = self.value_aware(self.base_score(buf, slots), buf.v[slots], buf.pos[slots],
                                buf.valid[slots])
-        return lowest(buf, imp, slots)
+        return buf.ring_start, True, imp
 
 
 @register
@@ -170,7 +171,7 @@ def _scissorhands_variant(cls):
 
     Uses from `policies/scissorhands.py` (a RingPolicy): `prefix_rank` (the prompt selection,
     scaled here) and `importance(buf, slots)` (its non-negative per-slot score, higher = keep,
-    scaled in the value-aware `choose_victim` that replaces its own). The defaults follow the
+    scaled in the value-aware `victim_candidates` that replaces its own). The defaults follow the
     VATP paper's Scissorhands (App. A, Eq. 3): 10 recent tokens, the rest selected by the
     attention summed over a history window of 400 queries (`score=attention`; the
     Scissorhands paper's low-attention counter stays available as `score=count`).

@@ -1,0 +1,488 @@
+// The thin Python binding of the kernels (built as flexevict._C): checks every tensor (device,
+// dtype, shape, layout) with a one-line error naming the argument and the fix, then calls the
+// launchers of flexevict_kernels.h. It includes no CUDA header: the stream comes from Python as
+// an integer (torch.cuda.current_stream().cuda_stream), so it compiles against a CPU torch too.
+#include <torch/extension.h>
+
+#include <c10/core/DeviceGuard.h>
+
+#include <vector>
+
+#include "flexevict_kernels.h"
+
+namespace {
+
+using at::Tensor;
+
+void check_device(const Tensor& t, const char* name, const Tensor& ref) {
+  TORCH_CHECK_VALUE(t.is_cuda(), "flexevict._C: ", name, " must be a CUDA tensor (got ",
+                    t.device(), "); move it with .cuda()");
+  TORCH_CHECK_VALUE(t.device() == ref.device(), "flexevict._C: ", name, " is on ", t.device(),
+                    " but the other inputs are on ", ref.device(), "; move it there");
+}
+
+void check_dtype(const Tensor& t, const char* name, at::ScalarType want) {
+  TORCH_CHECK_VALUE(t.scalar_type() == want, "flexevict._C: ", name, " must be ", want,
+                    " (got ", t.scalar_type(), "); convert it with .to(", want, ")");
+}
+
+void check_contiguous(const Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.is_contiguous(), "flexevict._C: ", name,
+                    " must be contiguous; pass .contiguous()");
+}
+
+void check_shape(const Tensor& t, const char* name, std::vector<int64_t> shape) {
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(shape), "flexevict._C: ", name,
+                    " must have shape ", at::IntArrayRef(shape), " (got ", t.sizes(), ")");
+}
+
+void check_last_dim(const Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, "flexevict._C: ", name,
+                    " must be contiguous in its last dim; pass .contiguous()");
+}
+
+int dtype_code(const Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return FE_F32;
+    case at::kHalf: return FE_F16;
+    case at::kBFloat16: return FE_BF16;
+    default:
+      TORCH_CHECK_VALUE(false, "flexevict._C: ", name,
+                        " must be float32, float16 or bfloat16 (got ", t.scalar_type(), ")");
+  }
+  return -1;
+}
+
+cudaStream_t as_stream(int64_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+void raise_if(const char* err, const char* op) {
+  TORCH_CHECK(err == nullptr, "flexevict._C.", op, ": ", err ? err : "");
+}
+
+// The KV buffer's tensors: k, v (slots, rows, dim) of one float dtype; score, state fp32,
+// pos int32, valid bool (slots, rows); all contiguous on one CUDA device.
+struct Buf {
+  Tensor k, v, score, state, pos, valid;
+
+  void check() const {
+    check_device(k, "buffer k", k);
+    dtype_code(k, "buffer k");
+    TORCH_CHECK_VALUE(k.dim() == 3, "flexevict._C: buffer k must be (slots, rows, dim)");
+    const int64_t slots = k.size(0), rows = k.size(1);
+    const std::pair<const Tensor*, const char*> all[] = {
+        {&k, "buffer k"}, {&v, "buffer v"}, {&score, "buffer score"}, {&state, "buffer state"},
+        {&pos, "buffer pos"}, {&valid, "buffer valid"}};
+    for (const auto& [t, name] : all) {
+      check_device(*t, name, k);
+      check_contiguous(*t, name);
+    }
+    check_dtype(v, "buffer v", k.scalar_type());
+    check_shape(v, "buffer v", k.sizes().vec());
+    check_dtype(score, "buffer score", at::kFloat);
+    check_dtype(state, "buffer state", at::kFloat);
+    check_dtype(pos, "buffer pos", at::kInt);
+    check_dtype(valid, "buffer valid", at::kBool);
+    for (const auto& t : {score, state, pos, valid})
+      check_shape(t, "buffer score/state/pos/valid", {slots, rows});
+  }
+};
+
+// --------------------------------------------------------------------------------- ops
+
+void decode_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& valid,
+                      Tensor& out, Tensor& probs, const c10::optional<Tensor>& score, double scale,
+                      int64_t stream) {
+  check_device(q, "q", q);
+  const int dtype = dtype_code(q, "q");
+  TORCH_CHECK_VALUE(q.dim() == 3, "flexevict._C: q must be (rows, group, dim) (got ", q.sizes(),
+                    ")");
+  const int64_t rows = q.size(0), group = q.size(1), dim = q.size(2);
+  TORCH_CHECK_VALUE(k.dim() == 3, "flexevict._C: k must be (n, rows, dim) (got ", k.sizes(), ")");
+  const int64_t n = k.size(0);
+  for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}}) {
+    check_device(*t, name, q);
+    check_dtype(*t, name, q.scalar_type());
+    check_shape(*t, name, {n, rows, dim});
+    check_last_dim(*t, name);
+  }
+  check_last_dim(q, "q");
+  check_device(valid, "valid", q);
+  check_dtype(valid, "valid", at::kBool);
+  check_shape(valid, "valid", {n, rows});
+  TORCH_CHECK_VALUE(valid.stride(1) == 1, "flexevict._C: valid must be contiguous per slot");
+  check_device(out, "out", q);
+  check_dtype(out, "out", q.scalar_type());
+  check_shape(out, "out", {rows, group, dim});
+  check_contiguous(out, "out");
+  check_device(probs, "probs", q);
+  check_dtype(probs, "probs", at::kFloat);
+  check_shape(probs, "probs", {rows, group, n});
+  check_contiguous(probs, "probs");
+  FeDecodeAttention p{};
+  if (score) {
+    check_device(*score, "score", q);
+    check_dtype(*score, "score", at::kFloat);
+    TORCH_CHECK_VALUE(score->dim() == 2 && score->size(0) >= n && score->size(1) == rows &&
+                          score->stride(1) == 1,
+                      "flexevict._C: score must be (>= n, rows) fp32, contiguous per slot (got ",
+                      score->sizes(), ")");
+    p.score = score->data_ptr<float>();
+    p.score_slot = score->stride(0);
+  }
+  c10::DeviceGuard guard(q.device());
+  p.dtype = dtype;
+  p.rows = rows, p.group = group, p.n = n, p.dim = dim;
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
+  p.valid = reinterpret_cast<const uint8_t*>(valid.data_ptr<bool>());
+  p.out = out.data_ptr(), p.probs = probs.data_ptr<float>();
+  p.q_row = q.stride(0), p.q_head = q.stride(1);
+  p.k_slot = k.stride(0), p.k_row = k.stride(1), p.v_slot = v.stride(0), p.v_row = v.stride(1);
+  p.valid_slot = valid.stride(0);
+  p.scale = (float)scale;
+  raise_if(fe_decode_attention(&p, as_stream(stream)), "decode_attention");
+}
+
+void prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                       const Tensor& valid, Tensor& out, Tensor& row_max, Tensor& row_sum,
+                       Tensor& colsum, double scale, int64_t stream) {
+  check_device(q, "q", q);
+  const int dtype = dtype_code(q, "q");
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4, "flexevict._C: q, k, v must be (B, H, S, d)");
+  const int64_t b = q.size(0), h = q.size(1), s = q.size(2), d = q.size(3), hk = k.size(1);
+  TORCH_CHECK_VALUE(hk > 0 && h % hk == 0, "flexevict._C: query heads (", h,
+                    ") must be a multiple of kv heads (", hk, ")");
+  check_last_dim(q, "q");
+  for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}}) {
+    check_device(*t, name, q);
+    check_dtype(*t, name, q.scalar_type());
+    check_shape(*t, name, {b, hk, s, d});
+    check_last_dim(*t, name);
+  }
+  check_device(mask, "mask", q);
+  check_dtype(mask, "mask", at::kBool);
+  TORCH_CHECK_VALUE(mask.dim() == 4 && mask.size(0) == b && mask.size(1) == 1 &&
+                        mask.size(2) == s && mask.size(3) == s,
+                    "flexevict._C: mask must be (B, 1, S, S) (got ", mask.sizes(), ")");
+  check_device(valid, "valid", q);
+  check_dtype(valid, "valid", at::kBool);
+  check_shape(valid, "valid", {b, s});
+  TORCH_CHECK_VALUE(valid.stride(1) == 1, "flexevict._C: valid must be contiguous per row");
+  for (const auto& [t, name, dt, shape] :
+       {std::tuple{&out, "out", q.scalar_type(), std::vector<int64_t>{b, h, s, d}},
+        std::tuple{&row_max, "row_max", at::kFloat, std::vector<int64_t>{b, h, s}},
+        std::tuple{&row_sum, "row_sum", at::kFloat, std::vector<int64_t>{b, h, s}},
+        std::tuple{&colsum, "colsum", at::kFloat, std::vector<int64_t>{b, hk, s}}}) {
+    check_device(*t, name, q);
+    check_dtype(*t, name, dt);
+    check_shape(*t, name, shape);
+    check_contiguous(*t, name);
+  }
+  c10::DeviceGuard guard(q.device());
+  FePrefillAttention p{};
+  p.dtype = dtype;
+  p.batch = b, p.heads = h, p.kv_heads = hk, p.seq = s, p.dim = d;
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
+  p.mask = reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>());
+  p.valid = reinterpret_cast<const uint8_t*>(valid.data_ptr<bool>());
+  p.out = out.data_ptr(), p.row_max = row_max.data_ptr<float>();
+  p.row_sum = row_sum.data_ptr<float>(), p.colsum = colsum.data_ptr<float>();
+  p.q_b = q.stride(0), p.q_h = q.stride(1), p.q_s = q.stride(2);
+  p.k_b = k.stride(0), p.k_h = k.stride(1), p.k_s = k.stride(2);
+  p.v_b = v.stride(0), p.v_h = v.stride(1), p.v_s = v.stride(2);
+  p.m_b = mask.stride(0), p.m_q = mask.stride(2), p.m_k = mask.stride(3);
+  p.valid_b = valid.stride(0);
+  p.scale = (float)scale;
+  raise_if(fe_prefill_attention(&p, as_stream(stream)), "prefill_attention");
+}
+
+// source: 0 score, 1 value tensor, 2 Hamming distance; commit: 0 none, 1 mask, 2 replace, 3 ring.
+Tensor select_commit(const Tensor& k, const Tensor& v, const Tensor& score, const Tensor& state,
+                     const Tensor& pos, const Tensor& valid, int64_t n_range, int64_t extra,
+                     const c10::optional<Tensor>& value, int64_t protect,
+                     const c10::optional<Tensor>& query_codes, const c10::optional<Tensor>& codes,
+                     int64_t commit, int64_t cursor, const c10::optional<Tensor>& victims_in,
+                     int64_t stream) {
+  const Buf buf{k, v, score, state, pos, valid};
+  buf.check();
+  const int64_t slots = k.size(0), rows = k.size(1);
+  TORCH_CHECK_VALUE(n_range >= 0 && n_range <= slots && extra < slots && cursor < slots,
+                    "flexevict._C: candidate slots out of range (", n_range, ", ", extra,
+                    ", cursor ", cursor, ") for ", slots, " slots");
+  TORCH_CHECK_VALUE(commit >= FE_COMMIT_NONE && commit <= FE_COMMIT_RING,
+                    "flexevict._C: unknown commit mode ", commit);
+  TORCH_CHECK_VALUE(commit != FE_COMMIT_RING || cursor >= 0,
+                    "flexevict._C: ring commit needs a cursor");
+  const int64_t ncand = n_range + (extra >= 0 ? 1 : 0);
+  FeSelectCommit p{};
+  p.source = FE_VALUE_SCORE;
+  if (value) {
+    check_device(*value, "value", k);
+    check_dtype(*value, "value", at::kFloat);
+    check_shape(*value, "value", {ncand, rows});
+    check_contiguous(*value, "value");
+    p.source = FE_VALUE_TENSOR;
+    p.value = value->data_ptr<float>();
+  }
+  if (query_codes) {
+    TORCH_CHECK_VALUE(!value, "flexevict._C: pass either value or query_codes, not both");
+    check_device(*query_codes, "query_codes", k);
+    check_dtype(*query_codes, "query_codes", at::kLong);
+    check_contiguous(*query_codes, "query_codes");
+    TORCH_CHECK_VALUE(query_codes->dim() == 3 && query_codes->size(0) == rows,
+                      "flexevict._C: query_codes must be (rows, group, words) (got ",
+                      query_codes->sizes(), ")");
+    p.source = FE_VALUE_HAMMING;
+    p.query_codes = query_codes->data_ptr<int64_t>();
+    p.query_group = query_codes->size(1), p.words = query_codes->size(2);
+    if (codes) {
+      check_device(*codes, "codes", k);
+      check_dtype(*codes, "codes", at::kLong);
+      check_contiguous(*codes, "codes");
+      check_shape(*codes, "codes", {slots, rows, p.words});
+      p.codes = codes->data_ptr<int64_t>();
+    } else {
+      TORCH_CHECK_VALUE(p.words == 1,
+                        "flexevict._C: codes kept in state hold one word; pass codes");
+    }
+  }
+  if (victims_in) {
+    check_device(*victims_in, "victims", k);
+    check_dtype(*victims_in, "victims", at::kLong);
+    check_shape(*victims_in, "victims", {rows});
+    check_contiguous(*victims_in, "victims");
+    p.victims_in = victims_in->data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK_VALUE(ncand > 0, "flexevict._C: no candidate slot to choose a victim from");
+  }
+  Tensor victims = at::empty({rows}, k.options().dtype(at::kLong));
+  c10::DeviceGuard guard(k.device());
+  p.dtype = dtype_code(k, "buffer k");
+  p.rows = rows, p.dim = k.size(2), p.slots = slots;
+  p.k = k.data_ptr(), p.v = v.data_ptr();
+  p.score = score.data_ptr<float>(), p.state = state.data_ptr<float>();
+  p.pos = pos.data_ptr<int32_t>(), p.valid = reinterpret_cast<uint8_t*>(valid.data_ptr<bool>());
+  p.n_range = n_range, p.extra = extra, p.protect = protect;
+  p.commit = (int)commit, p.cursor = cursor;
+  p.victims_out = victims.data_ptr<int64_t>();
+  raise_if(fe_select_commit(&p, as_stream(stream)), "select_commit");
+  return victims;
+}
+
+void lsh_hash(const Tensor& x, const Tensor& proj, Tensor& codes, int64_t stream) {
+  check_device(x, "x", x);
+  const int dtype = dtype_code(x, "x");
+  TORCH_CHECK_VALUE(x.dim() == 2, "flexevict._C: x must be (n, dim) (got ", x.sizes(), ")");
+  check_last_dim(x, "x");
+  check_device(proj, "proj", x);
+  check_dtype(proj, "proj", at::kFloat);
+  check_contiguous(proj, "proj");
+  TORCH_CHECK_VALUE(proj.dim() == 2 && proj.size(1) == x.size(1),
+                    "flexevict._C: proj must be (bits, ", x.size(1), ") (got ", proj.sizes(), ")");
+  const int64_t words = (proj.size(0) + 31) / 32;
+  check_device(codes, "codes", x);
+  check_dtype(codes, "codes", at::kLong);
+  check_shape(codes, "codes", {x.size(0), words});
+  check_contiguous(codes, "codes");
+  c10::DeviceGuard guard(x.device());
+  raise_if(fe_lsh_hash(dtype, x.data_ptr(), x.size(0), x.size(1), x.stride(0),
+                       proj.data_ptr<float>(), proj.size(0), codes.data_ptr<int64_t>(),
+                       as_stream(stream)),
+           "lsh_hash");
+}
+
+void compact_prompt(const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& valid,
+                    const c10::optional<Tensor>& scores, const Tensor& rank, int64_t prefix,
+                    int64_t ring, const Tensor& out_k, const Tensor& out_v,
+                    const Tensor& out_score, const Tensor& out_state, const Tensor& out_pos,
+                    const Tensor& out_valid, int64_t stream) {
+  const Buf buf{out_k, out_v, out_score, out_state, out_pos, out_valid};
+  buf.check();
+  TORCH_CHECK_VALUE(k.dim() == 3, "flexevict._C: k must be (S, rows, dim) (got ", k.sizes(), ")");
+  const int64_t s = k.size(0), rows = out_k.size(1), dim = out_k.size(2);
+  TORCH_CHECK_VALUE(prefix >= 0 && ring >= 0 && prefix + ring <= out_k.size(0) && prefix + ring < s,
+                    "flexevict._C: prefix + ring (", prefix + ring, ") must be below the prompt (",
+                    s, ") and fit the buffer (", out_k.size(0), ")");
+  for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}}) {
+    check_device(*t, name, out_k);
+    check_dtype(*t, name, out_k.scalar_type());
+    check_shape(*t, name, {s, rows, dim});
+    check_last_dim(*t, name);
+  }
+  for (const auto& [t, name, dt] : {std::tuple{&pos, "pos", at::kInt},
+                                    std::tuple{&valid, "valid", at::kBool},
+                                    std::tuple{&rank, "rank", at::kFloat}}) {
+    check_device(*t, name, out_k);
+    check_dtype(*t, name, dt);
+    check_shape(*t, name, {s, rows});
+    check_contiguous(*t, name);
+  }
+  FeCompactPrompt p{};
+  if (scores) {
+    check_device(*scores, "scores", out_k);
+    check_dtype(*scores, "scores", at::kFloat);
+    check_shape(*scores, "scores", {s, rows});
+    check_contiguous(*scores, "scores");
+    p.scores = scores->data_ptr<float>();
+  }
+  c10::DeviceGuard guard(k.device());
+  p.dtype = dtype_code(k, "k");
+  p.seq = s, p.rows = rows, p.dim = dim, p.prefix = prefix, p.ring = ring;
+  p.k = k.data_ptr(), p.v = v.data_ptr();
+  p.pos = pos.data_ptr<int32_t>();
+  p.valid = reinterpret_cast<const uint8_t*>(valid.data_ptr<bool>());
+  p.rank = rank.data_ptr<float>();
+  p.k_slot = k.stride(0), p.k_row = k.stride(1), p.v_slot = v.stride(0), p.v_row = v.stride(1);
+  p.out_k = out_k.data_ptr(), p.out_v = out_v.data_ptr();
+  p.out_score = out_score.data_ptr<float>(), p.out_state = out_state.data_ptr<float>();
+  p.out_pos = out_pos.data_ptr<int32_t>();
+  p.out_valid = reinterpret_cast<uint8_t*>(out_valid.data_ptr<bool>());
+  raise_if(fe_compact_prompt(&p, as_stream(stream)), "compact_prompt");
+}
+
+Tensor buzz_pass(const Tensor& k, const Tensor& v, const Tensor& score, const Tensor& state,
+                 const Tensor& pos, const Tensor& valid, int64_t n, int64_t sinks, int64_t window,
+                 int64_t threshold, int64_t stride, int64_t stream) {
+  const Buf buf{k, v, score, state, pos, valid};
+  buf.check();
+  TORCH_CHECK_VALUE(n >= 0 && n <= k.size(0), "flexevict._C: n (", n, ") exceeds the buffer's ",
+                    k.size(0), " slots");
+  TORCH_CHECK_VALUE(stride >= 1 && sinks >= 0 && window >= 0,
+                    "flexevict._C: BUZZ needs stride >= 1, sinks >= 0, window >= 0");
+  Tensor kept = at::empty({k.size(1)}, k.options().dtype(at::kInt));
+  c10::DeviceGuard guard(k.device());
+  FeBuzzPass p{};
+  p.dtype = dtype_code(k, "buffer k");
+  p.rows = k.size(1), p.dim = k.size(2), p.n = n;
+  p.sinks = sinks, p.window = window, p.threshold = threshold, p.stride = stride;
+  p.k = k.data_ptr(), p.v = v.data_ptr();
+  p.score = score.data_ptr<float>(), p.state = state.data_ptr<float>();
+  p.pos = pos.data_ptr<int32_t>(), p.valid = reinterpret_cast<uint8_t*>(valid.data_ptr<bool>());
+  p.kept = kept.data_ptr<int32_t>();
+  raise_if(fe_buzz_pass(&p, as_stream(stream)), "buzz_pass");
+  return kept;
+}
+
+// -> each move's destination slot (levels + 1, rows), for the buffer's dirty tracking.
+Tensor cascade_update(const Tensor& k, const Tensor& v, const Tensor& score, const Tensor& state,
+                      const Tensor& pos, const Tensor& valid, const Tensor& probs,
+                      const Tensor& start, const Tensor& count, const Tensor& sizes,
+                      const Tensor& done, int64_t sinks, int64_t kv_heads, double gamma,
+                      double rate, int64_t reduce, bool tie_replace, bool eager_fill,
+                      int64_t stream) {
+  const Buf buf{k, v, score, state, pos, valid};
+  buf.check();
+  const int64_t slots = k.size(0), rows = k.size(1);
+  check_device(probs, "probs", k);
+  check_dtype(probs, "probs", at::kFloat);
+  check_contiguous(probs, "probs");
+  TORCH_CHECK_VALUE(probs.dim() == 3 && probs.size(0) == rows && probs.size(2) <= slots,
+                    "flexevict._C: probs must be (rows, group, n <= slots) (got ", probs.sizes(),
+                    ")");
+  const int64_t levels = sizes.numel();
+  for (const auto& [t, name, shape] :
+       {std::tuple{&start, "start", std::vector<int64_t>{levels, rows}},
+        std::tuple{&count, "count", std::vector<int64_t>{levels, rows}},
+        std::tuple{&sizes, "sizes", std::vector<int64_t>{levels}}}) {
+    check_device(*t, name, k);
+    check_dtype(*t, name, at::kLong);
+    check_shape(*t, name, shape);
+    check_contiguous(*t, name);
+  }
+  TORCH_CHECK_VALUE(kv_heads >= 1 && rows % kv_heads == 0, "flexevict._C: rows (", rows,
+                    ") must be a multiple of kv_heads (", kv_heads, ")");
+  check_device(done, "done", k);
+  check_dtype(done, "done", at::kInt);
+  check_shape(done, "done", {rows / kv_heads});
+  TORCH_CHECK_VALUE(reduce >= FE_REDUCE_MEAN && reduce <= FE_REDUCE_MEDIAN,
+                    "flexevict._C: unknown reduction ", reduce);
+  Tensor moved_to = at::empty({levels + 1, rows}, k.options().dtype(at::kLong));
+  c10::DeviceGuard guard(k.device());
+  FeCascadeUpdate p{};
+  p.dtype = dtype_code(k, "buffer k");
+  p.rows = rows, p.dim = k.size(2), p.slots = slots, p.n = probs.size(2);
+  p.group = probs.size(1), p.kv_heads = kv_heads, p.levels = levels, p.sinks = sinks;
+  p.k = k.data_ptr(), p.v = v.data_ptr();
+  p.score = score.data_ptr<float>(), p.state = state.data_ptr<float>();
+  p.pos = pos.data_ptr<int32_t>(), p.valid = reinterpret_cast<uint8_t*>(valid.data_ptr<bool>());
+  p.probs = probs.data_ptr<float>();
+  p.start = start.data_ptr<int64_t>(), p.count = count.data_ptr<int64_t>();
+  p.sizes = sizes.data_ptr<int64_t>(), p.done = done.data_ptr<int32_t>();
+  p.moved_to = moved_to.data_ptr<int64_t>();
+  p.gamma = (float)gamma, p.rate = (float)rate;
+  p.reduce = (int)reduce, p.tie_replace = tie_replace, p.eager_fill = eager_fill;
+  raise_if(fe_cascade_update(&p, as_stream(stream)), "cascade_update");
+  return moved_to;
+}
+
+// x viewed as (outer, length, inner), grouped along length.
+void quantize_4bit(const Tensor& x, int64_t outer, int64_t length, int64_t inner, int64_t group,
+                   Tensor& packed, Tensor& mins, Tensor& scales, int64_t stream) {
+  check_device(x, "x", x);
+  const int dtype = dtype_code(x, "x");
+  check_contiguous(x, "x");
+  TORCH_CHECK_VALUE(x.numel() == outer * length * inner, "flexevict._C: x has ", x.numel(),
+                    " elements, not outer * length * inner = ", outer * length * inner);
+  TORCH_CHECK_VALUE(group >= 2 && group % 2 == 0, "flexevict._C: group must be even (got ", group,
+                    ")");
+  const int64_t groups = (length + group - 1) / group;
+  check_device(packed, "packed", x);
+  check_dtype(packed, "packed", at::kByte);
+  check_contiguous(packed, "packed");
+  TORCH_CHECK_VALUE(packed.numel() == outer * groups * group / 2 * inner,
+                    "flexevict._C: packed has the wrong size");
+  for (const auto& [t, name] : {std::pair{&mins, "mins"}, std::pair{&scales, "scales"}}) {
+    check_device(*t, name, x);
+    check_dtype(*t, name, x.scalar_type());
+    check_contiguous(*t, name);
+    TORCH_CHECK_VALUE(t->numel() == outer * groups * inner, "flexevict._C: ", name,
+                      " has the wrong size");
+  }
+  c10::DeviceGuard guard(x.device());
+  raise_if(fe_quantize_4bit(dtype, x.data_ptr(), outer, length, inner, group,
+                            packed.data_ptr<uint8_t>(), mins.data_ptr(), scales.data_ptr(),
+                            as_stream(stream)),
+           "quantize_4bit");
+}
+
+void dequantize_4bit(const Tensor& packed, const Tensor& mins, const Tensor& scales,
+                     int64_t outer, int64_t length, int64_t inner, int64_t group, Tensor& out,
+                     int64_t stream) {
+  check_device(out, "out", out);
+  const int dtype = dtype_code(out, "out");
+  check_contiguous(out, "out");
+  TORCH_CHECK_VALUE(out.numel() == outer * length * inner, "flexevict._C: out has the wrong size");
+  TORCH_CHECK_VALUE(group >= 2 && group % 2 == 0, "flexevict._C: group must be even (got ", group,
+                    ")");
+  const int64_t groups = (length + group - 1) / group;
+  check_device(packed, "packed", out);
+  check_dtype(packed, "packed", at::kByte);
+  check_contiguous(packed, "packed");
+  TORCH_CHECK_VALUE(packed.numel() == outer * groups * group / 2 * inner,
+                    "flexevict._C: packed has the wrong size");
+  for (const auto& [t, name] : {std::pair{&mins, "mins"}, std::pair{&scales, "scales"}}) {
+    check_device(*t, name, out);
+    check_dtype(*t, name, out.scalar_type());
+    check_contiguous(*t, name);
+    TORCH_CHECK_VALUE(t->numel() == outer * groups * inner, "flexevict._C: ", name,
+                      " has the wrong size");
+  }
+  c10::DeviceGuard guard(out.device());
+  raise_if(fe_dequantize_4bit(dtype, packed.data_ptr<uint8_t>(), mins.data_ptr(), scales.data_ptr(),
+                              outer, length, inner, group, out.data_ptr(), as_stream(stream)),
+           "dequantize_4bit");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "flexevict CUDA kernels (see cuda/README.md); use them through flexevict.kernels";
+  m.def("decode_attention", &decode_attention);
+  m.def("prefill_attention", &prefill_attention);
+  m.def("select_commit", &select_commit);
+  m.def("lsh_hash", &lsh_hash);
+  m.def("compact_prompt", &compact_prompt);
+  m.def("buzz_pass", &buzz_pass);
+  m.def("cascade_update", &cascade_update);
+  m.def("quantize_4bit", &quantize_4bit);
+  m.def("dequantize_4bit", &dequantize_4bit);
+}

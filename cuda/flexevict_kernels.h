@@ -1,0 +1,174 @@
+// Launchers of the flexevict CUDA kernels (one per op), shared by the .cu files and the C++
+// binding. Every launcher takes raw pointers, sizes and strides (in elements) in a plain struct,
+// plus the stream to launch on, and returns nullptr on success or a one-line error message.
+// Nothing here needs a CUDA or torch header, so binding.cpp compiles against a CPU-only torch.
+#pragma once
+#include <stdint.h>
+
+// The CUDA runtime's own definition (driver_types.h); repeating an identical typedef is legal C++.
+typedef struct CUstream_st* cudaStream_t;
+
+enum FeDtype { FE_F32 = 0, FE_F16 = 1, FE_BF16 = 2 };
+
+// Decode attention of one query token per buffer row over slots [0, n), masked by `valid`.
+// q (rows, group, dim); k, v (n, rows, dim); valid (n, rows); out (rows, group, dim) contiguous;
+// probs (rows, group, n) fp32 contiguous; score (>= n, rows) fp32 or null: += probs summed over
+// the group, for valid slots only. Rows with no valid slot get zero output and probabilities.
+struct FeDecodeAttention {
+  int dtype;
+  int64_t rows, group, n, dim;
+  const void* q;
+  const void* k;
+  const void* v;
+  const uint8_t* valid;
+  void* out;
+  float* probs;
+  float* score;
+  int64_t q_row, q_head;            // strides of q
+  int64_t k_slot, k_row, v_slot, v_row;
+  int64_t valid_slot, score_slot;   // slot strides (row stride 1)
+  float scale;
+};
+
+// Causal prefill attention that also sums, per key, the attention probability it receives from
+// the valid queries of every query head of its kv head, without forming the S x S matrix.
+// q (B, H, S, d); k, v (B, Hk, S, d); mask (B, 1, S, S) (nonzero = may attend); valid (B, S);
+// out (B, H, S, d) contiguous; row_max, row_sum (B, H, S) fp32 scratch; colsum (B, Hk, S) fp32.
+struct FePrefillAttention {
+  int dtype;
+  int64_t batch, heads, kv_heads, seq, dim;
+  const void* q;
+  const void* k;
+  const void* v;
+  const uint8_t* mask;
+  const uint8_t* valid;
+  void* out;
+  float* row_max;
+  float* row_sum;
+  float* colsum;
+  int64_t q_b, q_h, q_s, k_b, k_h, k_s, v_b, v_h, v_s;   // strides (last dim contiguous)
+  int64_t m_b, m_q, m_k;                                  // mask strides
+  int64_t valid_b;                                        // valid (B, S) batch stride
+  float scale;
+};
+
+enum FeValueSource { FE_VALUE_SCORE = 0, FE_VALUE_TENSOR = 1, FE_VALUE_HAMMING = 2 };
+enum FeCommit { FE_COMMIT_NONE = 0, FE_COMMIT_MASK = 1, FE_COMMIT_REPLACE = 2, FE_COMMIT_RING = 3 };
+
+// Per buffer row: the victim among candidate slots [0, n_range) + {extra} (lowest value; empty
+// slots first; ties -> smallest pos, then first candidate), then the commit of the scratch slot
+// (slots - 1). Buffer tensors (slots, rows[, dim]) are contiguous.
+struct FeSelectCommit {
+  int dtype;
+  int64_t rows, dim, slots;
+  void* k;
+  void* v;
+  float* score;
+  float* state;
+  int32_t* pos;
+  uint8_t* valid;
+  int64_t n_range, extra;          // candidates; extra < 0: none
+  int source;                      // FeValueSource
+  const float* value;              // FE_VALUE_TENSOR: (candidates, rows)
+  int64_t protect;                 // the first `protect` candidates are +inf while valid
+  const int64_t* query_codes;      // FE_VALUE_HAMMING: (rows, query_group, words)
+  int64_t query_group, words;
+  const int64_t* codes;            // (slots, rows, words), or null: the code is `state` (words 1)
+  int commit;                      // FeCommit
+  int64_t cursor;                  // FE_COMMIT_RING: the oldest recent slot
+  const int64_t* victims_in;       // (rows,) given victims (no selection), or null
+  int64_t* victims_out;            // (rows,)
+};
+
+// Per buffer row (RingPolicy prefill of a prompt longer than the buffer): left-align the real
+// tokens, keep the `prefix` best by rank among those older than the last `ring`, in position
+// order, then the last `ring`; write them into buffer slots [0, prefix + ring).
+// k, v (S, rows, dim); pos, valid, scores, rank (S, rows) contiguous (scores may be null).
+struct FeCompactPrompt {
+  int dtype;
+  int64_t seq, rows, dim, prefix, ring;
+  const void* k;
+  const void* v;
+  const int32_t* pos;
+  const uint8_t* valid;
+  const float* scores;
+  const float* rank;
+  int64_t k_slot, k_row, v_slot, v_row;
+  void* out_k;
+  void* out_v;
+  float* out_score;
+  float* out_state;
+  int32_t* out_pos;
+  uint8_t* out_valid;
+};
+
+// One BUZZ pass over buffer slots [0, n) of every row, compacting kept slots to the front.
+// kept (rows,) int32 receives each row's kept count.
+struct FeBuzzPass {
+  int dtype;
+  int64_t rows, dim, n;
+  int64_t sinks, window, threshold, stride;
+  void* k;
+  void* v;
+  float* score;
+  float* state;
+  int32_t* pos;
+  uint8_t* valid;
+  int32_t* kept;
+};
+
+enum FeReduce { FE_REDUCE_MEAN = 0, FE_REDUCE_MAX = 1, FE_REDUCE_MEDIAN = 2 };
+
+// Cascade's decode step for every sequence: EMA of the attention (slots [sinks, n)), reduced
+// over a sequence's kv heads, then Algorithm 1's insertion of the scratch token.
+// probs (rows, group, n) fp32; start, count (levels, rows) int64; sizes (levels,) int64;
+// done: a zeroed int32 counter per sequence, left zeroed again by the kernel.
+struct FeCascadeUpdate {
+  int dtype;
+  int64_t rows, dim, slots, n, group, kv_heads, levels, sinks;
+  void* k;
+  void* v;
+  float* score;
+  float* state;
+  int32_t* pos;
+  uint8_t* valid;
+  const float* probs;
+  int64_t* start;
+  int64_t* count;
+  const int64_t* sizes;
+  int32_t* done;                   // (rows / kv_heads,) zeros: blocks finished per sequence
+  int64_t* moved_to;               // (levels + 1, rows): each move's destination (dirty slots)
+  float gamma, rate;               // mu <- mu * gamma + rate * s (rate = 1 - gamma, as fp32)
+  int reduce;                      // FeReduce
+  int tie_replace, eager_fill;
+};
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+const char* fe_decode_attention(const FeDecodeAttention* p, cudaStream_t stream);
+const char* fe_prefill_attention(const FePrefillAttention* p, cudaStream_t stream);
+const char* fe_select_commit(const FeSelectCommit* p, cudaStream_t stream);
+const char* fe_compact_prompt(const FeCompactPrompt* p, cudaStream_t stream);
+const char* fe_buzz_pass(const FeBuzzPass* p, cudaStream_t stream);
+const char* fe_cascade_update(const FeCascadeUpdate* p, cudaStream_t stream);
+
+// SimHash codes: x (n, dim) with row stride x_row; proj (bits, dim) fp32 contiguous;
+// codes (n, ceil(bits / 32)) int64, bit j in bit j % 32 of word j / 32.
+const char* fe_lsh_hash(int dtype, const void* x, int64_t n, int64_t dim, int64_t x_row,
+                        const float* proj, int64_t bits, int64_t* codes, cudaStream_t stream);
+
+// 4-bit asymmetric group quantisation of x viewed as (outer, length, inner), grouped along
+// length: packed (outer, padded / 2, inner) uint8 (element 2i in the low nibble), mins and
+// scales (outer, groups, inner) in x's dtype; x ~= code * scale + min.
+const char* fe_quantize_4bit(int dtype, const void* x, int64_t outer, int64_t length,
+                             int64_t inner, int64_t group, uint8_t* packed, void* mins,
+                             void* scales, cudaStream_t stream);
+const char* fe_dequantize_4bit(int dtype, const uint8_t* packed, const void* mins,
+                               const void* scales, int64_t outer, int64_t length, int64_t inner,
+                               int64_t group, void* out, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif

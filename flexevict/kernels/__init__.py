@@ -1,0 +1,298 @@
+"""The eviction hot path: CUDA kernels (cuda/, built as `flexevict._C`), each with a pure-PyTorch
+reference (`reference.py`) and one dispatch function here.
+
+A dispatch function runs the kernel when its tensors are on a GPU, the extension is built (ahead
+of time or just in time, see `ext.py`) and FLEXEVICT_KERNELS is not 0, and the kernel supports
+the sizes; otherwise it runs the reference (always on CPU). Both paths check their arguments the
+same way and raise a one-line ValueError naming the argument. `backend()` says which path a
+device gets; benchmarks record it.
+
+Shapes: R buffer rows (batch * kv heads), g query heads per kv head, d head dim, n attended
+slots, S prompt length, B batch, H / Hk query / kv heads, c candidate slots.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ext, reference
+from .ext import backend
+from .quant import Packed4bit, dequantize_4bit, quantize_4bit
+from .reference import (WORD_BITS, accumulate_scores, buzz_select, candidate_slots,
+                        compaction, hamming, kv_head_probs, lowest, popcount, reduce_heads)
+
+__all__ = [  # the dispatch functions (kernel or reference) ...
+           "backend", "decode_attention", "prefill_attention", "evict_commit", "ring_commit",
+           "hash_codes", "hash_victims", "compact_prompt", "buzz_pass", "cascade_update",
+           "quantize_4bit", "dequantize_4bit", "Packed4bit",
+           # ... and reference helpers the policies share (no kernel of their own)
+           "WORD_BITS", "accumulate_scores", "buzz_select", "candidate_slots", "compaction",
+           "hamming", "kv_head_probs", "lowest", "popcount", "reduce_heads"]
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+COMMITS = {"none": 0, "mask": 1, "replace": 2, "ring": 3}
+REDUCTIONS = {"mean": 0, "max": 1, "median": 2}
+
+
+def _fail(op: str, message: str):
+    raise ValueError(f"flexevict.kernels.{op}: {message}")
+
+
+def _expect(op: str, name: str, t, shape=None, dtype=None, device=None) -> None:
+    """One argument's type, shape (None entries are free), dtype (or tuple) and device."""
+    if not isinstance(t, torch.Tensor):
+        _fail(op, f"{name} must be a tensor (got {type(t).__name__})")
+    if shape is not None and (t.dim() != len(shape) or
+                              any(w is not None and w != s for w, s in zip(shape, t.shape))):
+        want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
+        _fail(op, f"{name} must have shape {want} (got {tuple(t.shape)})")
+    if dtype is not None and t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+        _fail(op, f"{name} must be {dtype} (got {t.dtype}); convert it with .to()")
+    if device is not None and t.device != device:
+        _fail(op, f"{name} is on {t.device} but the other inputs are on {device}; move it there")
+
+
+def _lastdim(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim is contiguous (what the kernels need), else a copy."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _buffer_module(buf):
+    """The extension for a plain CUDA KV buffer, else None."""
+    return ext.module_for(buf.k) if isinstance(buf.k, torch.Tensor) else None
+
+
+def _advance_cursor(buf) -> None:
+    """The ring's next oldest slot (what KVBuffer.ring_commit does after its moves)."""
+    buf.cursor = buf.cursor + 1 if buf.cursor + 1 < buf.capacity else buf.ring_start
+
+
+# ------------------------------------------------------------------------------ attention
+
+def decode_attention(q, k, v, valid, scale: float, score=None):
+    """Decode attention of one query token per buffer row over n slots, skipping invalid ones.
+
+    q (R, g, d); k, v (n, R, d) of q's dtype; valid (n, R) bool; score (>= n, R) fp32 or None:
+    slot i gains its probability summed over the g query heads (H2O's accumulation, fused).
+    -> out (R, g, d), probs (R, g, n) fp32. A row with no valid slot gets zeros.
+    """
+    op = "decode_attention"
+    _expect(op, "q", q, (None, None, None), FLOATS)
+    rows, g, d = q.shape
+    _expect(op, "k", k, (None, rows, d), q.dtype, q.device)
+    n = k.shape[0]
+    _expect(op, "v", v, (n, rows, d), q.dtype, q.device)
+    _expect(op, "valid", valid, (n, rows), torch.bool, q.device)
+    if score is not None:
+        _expect(op, "score", score, (None, rows), torch.float32, q.device)
+        if score.shape[0] < n:
+            _fail(op, f"score has {score.shape[0]} slots, fewer than the {n} attended")
+    module = ext.module_for(q)
+    fits = d <= 256 and ((g + 4) * d + 2 * g + 32) * 4 <= 48 * 1024
+    if module is None or not fits or (score is not None and score.stride(1) != 1):
+        return reference.decode_attention(q, k, v, valid, scale, score)
+    out = torch.empty(rows, g, d, dtype=q.dtype, device=q.device)
+    probs = torch.empty(rows, g, n, dtype=torch.float32, device=q.device)
+    module.decode_attention(_lastdim(q), _lastdim(k), _lastdim(v), valid.contiguous(), out, probs,
+                            score, float(scale), ext.stream(q))
+    return out, probs
+
+
+def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold=None):
+    """Causal prefill attention that also returns, per key, the attention it receives summed over
+    the query heads of its kv head and over the valid queries (H2O's column sums), without the
+    S x S matrix.
+
+    q (B, H, S, d); k, v (B, Hk, S, d); mask (B, 1, S, S) bool (True = may attend); valid (B, S)
+    -> out (B, H, S, d), colsum (B, Hk, S) fp32. fold(acc, p, first, valid) replaces the column
+    sums with a policy's own statistic (reference only; see `reference.prefill_attention`).
+    """
+    op = "prefill_attention"
+    _expect(op, "q", q, (None, None, None, None), FLOATS)
+    b, h, s, d = q.shape
+    _expect(op, "k", k, (b, None, s, d), q.dtype, q.device)
+    hk = k.shape[1]
+    if hk == 0 or h % hk:
+        _fail(op, f"query heads ({h}) must be a multiple of kv heads ({hk})")
+    _expect(op, "v", v, (b, hk, s, d), q.dtype, q.device)
+    _expect(op, "mask", mask, (b, 1, s, s), torch.bool, q.device)
+    _expect(op, "valid", valid, (b, s), torch.bool, q.device)
+    module = ext.module_for(q)
+    if module is None or fold is not None or d > 128 or b * h > 65535:
+        return reference.prefill_attention(q, k, v, mask, valid, scale, block, fold)
+    out = torch.empty(b, h, s, d, dtype=q.dtype, device=q.device)
+    row_max = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+    row_sum = torch.empty_like(row_max)
+    colsum = torch.empty(b, hk, s, dtype=torch.float32, device=q.device)
+    module.prefill_attention(_lastdim(q), _lastdim(k), _lastdim(v), mask, valid.contiguous(),
+                             out, row_max, row_sum, colsum, float(scale), ext.stream(q))
+    return out, colsum
+
+
+# ------------------------------------------------------------------------------ victims
+
+def evict_commit(buf, end: int, cursor: bool = True, value=None, commit: str = "ring"):
+    """Victim selection and commit of the scratch token, in one launch on a GPU.
+
+    Candidates are slots [0, end) plus the ring's oldest `buf.cursor` when `cursor`; per row the
+    lowest `value` (c, R) fp32 (default `buf.score`) goes, empty slots first, ties -> the oldest
+    position (`lowest`). commit "ring": `buf.ring_commit(victims)`, "replace": `buf.replace`,
+    "none": nothing. -> victims (R,) int64.
+    """
+    op = "evict_commit"
+    if commit not in ("ring", "replace", "none"):
+        _fail(op, f"commit must be 'ring', 'replace' or 'none' (got {commit!r})")
+    if not 0 <= end <= buf.capacity + 1 or end + bool(cursor) == 0:
+        _fail(op, f"no valid candidate range: end={end}, cursor={cursor}, "
+                  f"slots={buf.capacity + 1}")
+    if value is not None:
+        _expect(op, "value", value, (end + bool(cursor), buf.score.shape[1]), torch.float32,
+                buf.score.device)
+    module = _buffer_module(buf)
+    if module is None:
+        return reference.evict_commit(buf, end, cursor, value, commit)
+    old_cursor = buf.cursor
+    victims = module.select_commit(
+        buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, end,
+        old_cursor if cursor else -1, None if value is None else value.contiguous(), 0, None,
+        None, COMMITS[commit], old_cursor, None, ext.stream(buf.k))
+    if commit != "none":
+        buf.mark(victims)
+    if commit == "ring":
+        buf.mark(old_cursor)
+        _advance_cursor(buf)
+    return victims
+
+
+def ring_commit(buf, victims) -> None:
+    """`buf.ring_commit(victims)` (victims (R,) int64 chosen earlier, e.g. by `hash_victims`)."""
+    _expect("ring_commit", "victims", victims, (buf.score.shape[1],), torch.int64,
+            buf.score.device)
+    module = _buffer_module(buf)
+    if module is None:
+        return buf.ring_commit(victims)
+    cursor = buf.cursor
+    module.select_commit(buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, 0, -1, None, 0,
+                         None, None, COMMITS["ring"], cursor, victims.contiguous(),
+                         ext.stream(buf.k))
+    buf.mark(victims)
+    buf.mark(cursor)
+    _advance_cursor(buf)
+
+
+# ------------------------------------------------------------------------------ SimHash
+
+def hash_codes(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """SimHash codes: x (..., d) -> (..., ceil(bits / 32)) int64; bit j (bit j % 32 of word
+    j // 32) is 1 iff (proj x)_j >= 0. proj (bits, d) fp32 on x's device."""
+    op = "hash_codes"
+    _expect(op, "x", x, None, FLOATS)
+    if x.dim() == 0:
+        _fail(op, "x must have a last dim (the head dim)")
+    _expect(op, "proj", proj, (None, x.shape[-1]), torch.float32, x.device)
+    module = ext.module_for(x)
+    if module is None or proj.shape[0] > 1024 or x.shape[-1] > 12288:
+        return reference.hash_codes(x, proj)
+    flat = _lastdim(x.reshape(-1, x.shape[-1]))
+    words = -(-proj.shape[0] // WORD_BITS)
+    codes = torch.empty(flat.shape[0], words, dtype=torch.int64, device=x.device)
+    module.lsh_hash(flat, proj.contiguous(), codes, ext.stream(x))
+    return codes.view(*x.shape[:-1], words)
+
+
+def hash_victims(buf, query_codes, protect: int, codes=None):
+    """HashEvict before attention: per row, among the prefix slots [0, ring_start) and the ring's
+    oldest token, the key whose code is farthest (Hamming distance summed over the query heads)
+    from query_codes (R, g, words); empty slots first, ties -> the oldest; the first `protect`
+    candidates are kept while valid. Key codes: `codes` (slots, R, words) int64, or one word
+    stored in `buf.state`. The victims are masked out of this step's attention. -> (R,) int64."""
+    op = "hash_victims"
+    rows = buf.score.shape[1]
+    _expect(op, "query_codes", query_codes, (rows, None, None), torch.int64, buf.score.device)
+    if codes is None and query_codes.shape[-1] != 1:
+        _fail(op, "codes kept in buf.state hold one word; pass codes for longer hashes")
+    if codes is not None:
+        _expect(op, "codes", codes, (buf.score.shape[0], rows, query_codes.shape[-1]),
+                torch.int64, buf.score.device)
+    module = _buffer_module(buf)
+    if module is None:
+        return reference.hash_victims(buf, query_codes, protect, codes)
+    return module.select_commit(
+        buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, buf.ring_start, buf.cursor, None,
+        protect, query_codes.contiguous(), None if codes is None else codes.contiguous(),
+        COMMITS["mask"], buf.cursor, None, ext.stream(buf.k))
+
+
+# ------------------------------------------------------------------------------ compaction
+
+def compact_prompt(buf, k, v, pos, valid, scores, rank, prefix: int, ring: int) -> None:
+    """RingPolicy's prefill of a prompt longer than the buffer (prefix + ring slots): per row,
+    the last `ring` real tokens and the `prefix` best by rank among the older ones (ties -> the
+    earliest), in position order, into slots [0, prefix + ring); short rows leave holes.
+
+    k, v (S, R, d); pos int32, valid bool, scores fp32 or None, rank (S, R) in prompt order."""
+    op = "compact_prompt"
+    _expect(op, "k", k, (None, buf.score.shape[1], None))
+    s, rows, d = k.shape
+    _expect(op, "v", v, (s, rows, d), k.dtype, k.device)
+    _expect(op, "pos", pos, (s, rows), None, k.device)
+    _expect(op, "valid", valid, (s, rows), torch.bool, k.device)
+    _expect(op, "rank", rank, (s, rows), None, k.device)
+    if scores is not None:
+        _expect(op, "scores", scores, (s, rows), None, k.device)
+    if prefix < 0 or ring < 0 or prefix + ring != buf.capacity or s <= buf.capacity:
+        _fail(op, f"prefix ({prefix}) + ring ({ring}) must equal the buffer's {buf.capacity} "
+                  f"committed slots, below the prompt's {s} tokens")
+    module = _buffer_module(buf)
+    if module is None or s > 4096 or k.device != buf.k.device or k.dtype != buf.k.dtype:
+        return reference.compact_prompt(buf, k, v, pos, valid, scores, rank, prefix, ring)
+    as_f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
+    module.compact_prompt(_lastdim(k), _lastdim(v), pos.to(torch.int32).contiguous(),
+                          valid.contiguous(), as_f32(scores), as_f32(rank), prefix, ring,
+                          buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid,
+                          ext.stream(k))
+    buf.used = buf.capacity
+    buf.touch_all()
+
+
+def buzz_pass(buf, n: int, k: int, w: int, T: int, s: int) -> None:
+    """One BUZZ pass over slots [0, n) of every row (`reference.buzz_select`), compacting each
+    row's kept tokens to the front in slot order; `buf.used` becomes the longest row's count
+    (the one host sync: it sets how many slots the next step attends)."""
+    if not 0 <= n <= buf.capacity + 1:
+        _fail("buzz_pass", f"n ({n}) exceeds the buffer's {buf.capacity + 1} slots")
+    module = _buffer_module(buf)
+    if module is None or n > 3072 or buf.k.shape[-1] > 256:
+        kept = reference.buzz_pass(buf, n, k, w, T, s)
+    else:
+        kept = module.buzz_pass(buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, n, k, w,
+                                T, s, ext.stream(buf.k))
+    buf.used = int(kept.max()) if kept.numel() else 0
+    buf.touch_all()
+
+
+def cascade_update(buf, probs, sinks: int, gamma: float, reduce: str, window: int,
+                   tie_replace: bool = False, eager_fill: bool = False) -> None:
+    """Cascade's decode step for every row: the attention EMA of slots [sinks, n) in
+    `buf.state` (probs (R, g, n) fp32, reduced over each sequence's kv heads by `reduce`), then
+    the scratch token's insertion into the sub-caches `buf.cascade_*` (Algorithm 1)."""
+    op = "cascade_update"
+    if reduce not in REDUCTIONS:
+        _fail(op, f"reduce must be one of {', '.join(REDUCTIONS)} (got {reduce!r})")
+    rows = buf.score.shape[1]
+    _expect(op, "probs", probs, (rows, None, None), torch.float32, buf.score.device)
+    if probs.shape[-1] > buf.capacity + 1:
+        _fail(op, f"probs cover {probs.shape[-1]} slots, more than the buffer's "
+                  f"{buf.capacity + 1}")
+    kv = getattr(buf, "kv_heads", 1)
+    levels = buf.cascade_size.numel()
+    module = _buffer_module(buf)
+    if module is None or levels > 16 or kv > 128:
+        return reference.cascade_update(buf, probs, sinks, gamma, reduce, window, tie_replace,
+                                        eager_fill)
+    done = torch.zeros(rows // kv, dtype=torch.int32, device=probs.device)
+    moved_to = module.cascade_update(
+        buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, probs.contiguous(),
+        buf.cascade_start, buf.cascade_count, buf.cascade_size.view(-1), done, sinks, kv,
+        float(gamma), 1.0 - float(gamma), REDUCTIONS[reduce], bool(tie_replace),
+        bool(eager_fill), ext.stream(buf.k))
+    buf.mark(moved_to)

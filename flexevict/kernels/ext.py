@@ -1,0 +1,98 @@
+"""Finding the compiled kernels (`flexevict._C`).
+
+`setup.py` builds the extension ahead of time when a CUDA build of torch and a CUDA toolkit are
+present. Otherwise it is compiled just in time from the sources in the repository's `cuda/`
+folder the first time a kernel is asked for on a GPU: with `torch.utils.cpp_extension.load`
+when ninja is installed, else with nvcc and the C++ compiler directly (`build.py`, cached in
+~/.cache/flexevict or $FLEXEVICT_BUILD_DIR), for the GPU's own architecture. A failed build
+warns once and every op falls back to its PyTorch reference. The loaded module is cached: it is
+the only module-level state of `flexevict.kernels`.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import build
+
+KERNELS, REFERENCE = "cuda-kernels", "torch-reference"
+NAME = "flexevict_C"
+
+
+def enabled() -> bool:
+    """Kernels are on unless FLEXEVICT_KERNELS=0 (read at every call, so tests can flip it)."""
+    return os.environ.get("FLEXEVICT_KERNELS", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """The extension module, or None when there is no GPU or it cannot be built (warned once)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from flexevict import _C                     # built ahead of time by setup.py
+        return _C
+    except ImportError:
+        pass
+    files = build.sources()
+    if len(files) < 2 or not files[-1].is_file():
+        warnings.warn(f"flexevict: CUDA kernel sources not found in {build.SOURCE_DIR}; using "
+                      "the PyTorch reference (install from a source checkout to build them)")
+        return None
+    try:
+        from torch.utils import cpp_extension
+        if cpp_extension.is_ninja_available():
+            return cpp_extension.load(name=NAME, sources=[str(f) for f in files],
+                                      extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])
+        return _build_and_import(files)
+    except Exception as e:                           # noqa: BLE001 - any build failure
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        warnings.warn(f"flexevict: building the CUDA kernels failed ({reason}); using the "
+                      "PyTorch reference")
+        return None
+
+
+def _build_and_import(files):
+    """Build with nvcc + c++ for this GPU's architecture into a folder keyed by the sources,
+    torch and the architecture (reused when it exists), and import the result."""
+    major, minor = torch.cuda.get_device_capability()
+    key = hashlib.sha1(f"{torch.__version__} sm_{major}{minor}".encode())
+    for f in files:
+        key.update(f.read_bytes())
+    root = Path(os.environ.get("FLEXEVICT_BUILD_DIR", Path.home() / ".cache" / "flexevict"))
+    out = root / f"kernels-{key.hexdigest()[:16]}"
+    so = build.link_command(out, NAME)[1]
+    if not so.is_file():
+        so = build.build(out, NAME, [f"{major}{minor}"])
+    spec = importlib.util.spec_from_file_location(NAME, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def module_for(t: torch.Tensor):
+    """The extension when `t` is on a GPU and kernels are enabled and built, else None."""
+    if t.is_cuda and enabled():
+        return load()
+    return None
+
+
+def backend(device: torch.device | str | None = None) -> str:
+    """"cuda-kernels" or "torch-reference": what the eviction hot path runs on `device`
+    (default: the GPU when there is one). Benchmarks record it in every result."""
+    device = torch.device(device if device is not None else
+                          "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and enabled() and load() is not None:
+        return KERNELS
+    return REFERENCE
+
+
+def stream(t: torch.Tensor) -> int:
+    """The current CUDA stream of t's device, as the integer the binding expects."""
+    return torch.cuda.current_stream(t.device).cuda_stream

@@ -1,0 +1,332 @@
+"""Pure-PyTorch reference of every CUDA kernel: what CPU runs use, what a GPU uses when the
+extension is unavailable or `FLEXEVICT_KERNELS=0`, and what the GPU tests compare the kernels
+with. Each function is the one place its logic lives; the policies call it through the dispatch
+in `flexevict.kernels`.
+
+Shapes: R buffer rows (batch * kv heads), g query heads per kv head, d head dim, n attended
+slots, S prompt length, B batch, H / Hk query / kv heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flexevict.kv import KVBuffer, left_aligned
+
+WORD_BITS = 32          # SimHash bits per int64 word (values stay non-negative)
+
+
+# ------------------------------------------------------------------------------ attention
+
+def kv_head_probs(probs: torch.Tensor) -> torch.Tensor:
+    """(R, g, n) -> (n, R): a kv head's score is the sum over its query heads."""
+    return probs.sum(dim=1).t()
+
+
+def accumulate_scores(score: torch.Tensor, probs: torch.Tensor) -> None:
+    """score (>= n, R) fp32 += probs (R, g, n) summed over the group (H2O's accumulation)."""
+    score[:probs.shape[-1]] += kv_head_probs(probs)
+
+
+def decode_attention(q, k, v, valid, scale: float, score=None):
+    """Decode attention of one query token per row over n slots.
+
+    q (R, g, d); k, v (n, R, d); valid (n, R) bool; score (>= n, R) fp32 or None: its first n
+    slots gain each slot's probability summed over the group (H2O's accumulation).
+    -> out (R, g, d) in q's dtype, probs (R, g, n) fp32. A row with no valid slot gets zeros.
+    """
+    n = k.shape[0]
+    keys, vals = k.transpose(0, 1), v.transpose(0, 1)             # (R, n, d)
+    bias = torch.zeros(valid.shape[1], 1, n, dtype=q.dtype, device=q.device)
+    bias.masked_fill_(~valid.t().unsqueeze(1), float("-inf"))
+    logits = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)   # (R, g, n)
+    p = torch.softmax(logits.float(), dim=-1)
+    live = valid.any(dim=0)
+    if p.is_cuda or not bool(live.all()):                        # no valid slot: 0, not NaN
+        p.masked_fill_(~live.view(-1, 1, 1), 0.0)                # (a CPU skips it if it can)
+    out = torch.bmm(p.to(vals.dtype), vals)
+    if score is not None:
+        accumulate_scores(score, p)
+    return out, p
+
+
+def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold=None):
+    """Prefill attention that also returns each key's attention received (H2O's column sums),
+    computed over query blocks so the S x S matrix is never materialised whole.
+
+    q (B, H, S, d), k/v (B, Hk, S, d), mask (B, 1, S, S) bool, valid (B, S) ->
+    out (B, H, S, d), column sums (B, Hk, S) fp32 summed over query heads, pad queries excluded.
+    A query that may see no key gets a zero output and no vote.
+    fold(acc, p, first, valid) replaces the column sum with a policy's own prompt statistic;
+    p (B, Hk, g, c, S) fp32 are the probabilities of query rows [first, first + c).
+    """
+    b, h, s, d = q.shape
+    hk = k.shape[1]
+    g = h // hk
+    qg = q.view(b, hk, g, s, d)
+    out = torch.empty_like(q).view(b, hk, g, s, d)
+    colsum = None if fold else torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
+    blind = ~mask.any(dim=-1)                                      # (B, 1, S) sees no key
+    any_blind = bool(blind.any())
+    kt = k.transpose(-1, -2).unsqueeze(2)                          # (B, Hk, 1, d, S)
+    vg = v.unsqueeze(2)
+    for i in range(0, s, block):
+        j = min(i + block, s)                                      # causal: keys [0, j) only
+        logits = (qg[:, :, :, i:j] @ kt[..., :j]).float() * scale  # (B, Hk, g, c, j)
+        logits.masked_fill_(~mask[:, :, None, i:j, :j], float("-inf"))
+        p = logits.softmax(dim=-1)
+        if any_blind:
+            p.masked_fill_(blind[:, :, None, i:j, None], 0.0)
+        out[:, :, :, i:j] = p.to(v.dtype) @ vg[:, :, :, :j]
+        if fold:                                                   # folds see all S keys
+            colsum = fold(colsum, F.pad(p, (0, s - j)), i, valid)
+        else:
+            p = p * valid[:, None, None, i:j, None]                # pad queries do not vote
+            colsum[..., :j] += p.sum(dim=(2, 3))
+    return out.view(b, h, s, d), colsum
+
+
+# ------------------------------------------------------------------------------ victims
+
+def candidate_slots(buf: KVBuffer, end: int, cursor: bool) -> torch.Tensor:
+    """Slots [0, end), plus the ring's oldest token `buf.cursor` when `cursor`: (c,) int64."""
+    slots = torch.arange(end, device=buf.k.device)
+    if cursor:
+        slots = torch.cat([slots, torch.tensor([buf.cursor], device=buf.k.device)])
+    return slots
+
+
+def lowest(buf: KVBuffer, value: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Per row, the candidate slot with the lowest value; empty slots first, ties -> oldest
+    (smallest pos), then the first candidate.
+
+    value (c, R) over candidate slots `candidates` (c,) -> (R,) slot indices.
+    """
+    value = torch.where(buf.valid[candidates], value, float("-inf"))
+    is_min = value == value.min(dim=0, keepdim=True).values
+    age = torch.where(is_min, buf.pos[candidates].to(torch.int64), torch.iinfo(torch.int64).max)
+    return candidates[age.argmin(dim=0)]
+
+
+def evict_commit(buf: KVBuffer, end: int, cursor: bool = True, value=None,
+                 commit: str = "ring") -> torch.Tensor:
+    """Choose each row's victim among `candidate_slots(buf, end, cursor)` by `lowest` (value
+    (c, R), default `buf.score`), then commit the scratch token: "ring" (`buf.ring_commit`),
+    "replace" (`buf.replace`) or "none". -> victims (R,)."""
+    slots = candidate_slots(buf, end, cursor)
+    victims = lowest(buf, buf.score[slots] if value is None else value, slots)
+    if commit == "ring":
+        buf.ring_commit(victims)
+    elif commit == "replace":
+        buf.replace(victims)
+    return victims
+
+
+# ------------------------------------------------------------------------------ SimHash
+
+def hash_codes(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """SimHash codes: x (..., d) -> (..., words) int64; bit j of the code (bit j % 32 of word
+    j // 32) is 1 iff (R x)_j >= 0 (HashEvict's Heaviside, Eq. 2). proj: R (bits, d) fp32."""
+    bits = (x.to(torch.float32) @ proj.t()) >= 0                     # (..., c)
+    c = bits.shape[-1]
+    words = -(-c // WORD_BITS)
+    bits = F.pad(bits.to(torch.int64), (0, words * WORD_BITS - c))
+    weight = torch.ones(WORD_BITS, dtype=torch.int64, device=x.device) << \
+        torch.arange(WORD_BITS, device=x.device)
+    return (bits.view(*bits.shape[:-1], words, WORD_BITS) * weight).sum(-1)
+
+
+def popcount(x: torch.Tensor) -> torch.Tensor:
+    """Set bits of each non-negative int64 below 2**32 (SWAR; torch has no popcount)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    x = x + (x >> 8)
+    return (x + (x >> 16)) & 0x3F
+
+
+def hamming(hq: torch.Tensor, hk: torch.Tensor) -> torch.Tensor:
+    """Distance of every key code to a kv head's query codes, summed over its query heads.
+
+    hq (R, g, words), hk (n, R, words) -> (n, R) int64."""
+    return popcount(hq.unsqueeze(0) ^ hk.unsqueeze(2)).sum(dim=(-1, -2))
+
+
+def hash_victims(buf: KVBuffer, query_codes: torch.Tensor, protect: int,
+                 codes: torch.Tensor | None = None) -> torch.Tensor:
+    """HashEvict's choice before attention: per row, among the prefix slots and the ring's
+    oldest token, the key farthest in Hamming distance from the query codes (R, g, words),
+    empty slots first, ties -> oldest; the first `protect` candidates (valid sinks) never go.
+    Key codes are `codes` (slots, R, words), or one word stored in `buf.state`. The victims
+    are masked out of this step's attention. -> victims (R,)."""
+    cand = candidate_slots(buf, buf.ring_start, True)
+    keys = buf.state[cand].to(torch.int64).unsqueeze(-1) if codes is None else codes[cand]
+    value = -hamming(query_codes, keys).to(torch.float32)           # (c, R)
+    value[:protect] = float("inf")
+    victims = lowest(buf, value, cand)
+    buf.valid[victims, buf.rows_index] = False
+    return victims
+
+
+# ------------------------------------------------------------------------------ prompt top-k
+
+def compact_prompt(buf: KVBuffer, k, v, pos, valid, scores, rank, prefix: int, ring: int):
+    """RingPolicy's prefill of a prompt longer than the buffer: per row (left-aligned), keep the
+    last `ring` real tokens and the `prefix` best by rank among the older ones (ties -> the
+    earliest), in position order, into slots [0, prefix + ring). Rows too short to fill a
+    region leave holes (invalid slots).
+
+    k, v (S, R, d); pos, valid, scores (fp32 or None), rank (S, R), all in prompt order."""
+    order = left_aligned(valid)
+    rank = rank.gather(0, order)
+    n_real = valid.sum(0)                                         # (R,)
+    slot = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
+    ring_begin = (n_real - ring).clamp(min=0)
+    eligible = slot < ring_begin                                  # older than the ring
+    rank = torch.where(eligible, rank, float("-inf"))
+    best = torch.sort(rank, dim=0, descending=True, stable=True).indices[:prefix]
+    heavy = best.sort(dim=0).values                               # keep position order
+    recent = ring_begin + torch.arange(ring, device=k.device).unsqueeze(1)
+    keep = torch.cat([heavy, recent.clamp(max=k.shape[0] - 1)])  # (capacity, R)
+    buf.store_prompt(k, v, pos, valid, scores, keep=keep)        # keep is in aligned order
+    holes = torch.cat([~eligible.gather(0, heavy), recent >= n_real])
+    buf.valid[:prefix + ring] &= ~holes
+
+
+# ------------------------------------------------------------------------------ BUZZ
+
+def compaction(keep: torch.Tensor):
+    """Per row, the kept slots first in slot order: keep (n, R) bool -> sel (m, R) int64 slot
+    indices with m = the largest kept count, and live (m, R): sel points at a kept slot."""
+    count = keep.sum(0)
+    m = int(count.max())
+    sel = torch.sort((~keep).to(torch.int8), dim=0, stable=True).indices[:m]
+    live = torch.arange(m, device=keep.device).unsqueeze(1) < count
+    return sel, live
+
+
+def buzz_select(valid, old, score, k: int, w: int, T: int, s: int):
+    """One BUZZ pass over slots [0, n) of every row. valid, old (n, R) bool, score (n, R).
+
+    Sinks (rank < k) and the window (the last w) stay; the middle's old tokens are
+    interval-sampled (every ceil(s/2)-th from the first), its new ones keep the first maximum of
+    score per chunk of s. -> keep (n, R), old flag of the kept tokens afterwards (n, R), hit (R,):
+    rows whose middle exceeded T (the others keep every valid token)."""
+    sh = (s + 1) // 2
+    n = valid.shape[0]
+    rank = valid.long().cumsum(0) - 1              # a valid slot's index among its row's
+    count = valid.sum(0)
+    a = (old & valid).sum(0)
+    hit = count - k - w > T
+    sink = valid & (rank < k)
+    window = valid & (rank >= count - w)
+    middle = valid & ~sink & ~window
+    old_mid = middle & (rank < k + a)
+    new_mid = middle & ~old_mid
+    old_keep = old_mid & ((rank - k) % sh == 0)    # interval sampling
+    chunk = torch.where(new_mid, (rank - k - a) // s, n)          # n: not a new token
+    value = torch.where(new_mid, score, float("-inf"))
+    best = torch.full((n + 1, valid.shape[1]), float("-inf"), device=score.device)
+    best = best.scatter_reduce(0, chunk, value, "amax")
+    is_max = new_mid & (value == best.gather(0, chunk))
+    first = torch.where(is_max, rank, n)
+    first_max = torch.full_like(best, n, dtype=torch.long)
+    first_max = first_max.scatter_reduce(0, chunk, first, "amin")
+    new_keep = is_max & (rank == first_max.gather(0, chunk))      # local max, first on ties
+    sampled = old_keep | new_keep
+    keep = torch.where(hit, sink | window | sampled, valid)
+    old_after = torch.where(hit, sampled, old & valid)
+    return keep, old_after, hit
+
+
+def buzz_pass(buf: KVBuffer, n: int, k: int, w: int, T: int, s: int) -> torch.Tensor:
+    """Run a BUZZ pass over slots [0, n) and compact every row with one gather per tensor; old
+    tokens are flagged by `buf.state` = 1. -> kept tokens per row (R,); the caller sets
+    `buf.used` to their maximum."""
+    keep, old_after, _ = buzz_select(buf.valid[:n], buf.state[:n] > 0.5, buf.score[:n],
+                                     k, w, T, s)
+    sel, live = compaction(keep)
+    m = sel.shape[0]
+    at = sel.unsqueeze(-1).expand(-1, -1, buf.k.shape[-1])
+    buf.k[:m] = buf.k[:n].gather(0, at)
+    buf.v[:m] = buf.v[:n].gather(0, at)
+    buf.score[:m] = torch.where(live, buf.score[:n].gather(0, sel), 0.0)
+    buf.state[:m] = (old_after.gather(0, sel) & live).float()
+    buf.pos[:m] = torch.where(live, buf.pos[:n].gather(0, sel), -1)
+    buf.valid[:m] = keep.gather(0, sel) & live
+    buf.valid[m:n] = False
+    buf.pos[m:n] = -1
+    buf.score[m:n] = 0.0
+    buf.state[m:n] = 0.0
+    return keep.sum(0)
+
+
+# ------------------------------------------------------------------------------ Cascade
+
+def reduce_heads(x: torch.Tensor, kv_heads: int, how: str) -> torch.Tensor:
+    """x (n, R) per kv head -> (n, R) reduced over each sequence's kv heads (Cascade's rho:
+    mean, max or median, the lower one for an even count) and repeated for each of them."""
+    n, rows = x.shape
+    if kv_heads <= 1:
+        return x
+    g = x.view(n, rows // kv_heads, kv_heads)
+    r = g.mean(-1) if how == "mean" else g.amax(-1) if how == "max" else g.median(-1).values
+    return r.unsqueeze(-1).expand(n, rows // kv_heads, kv_heads).reshape(n, rows)
+
+
+def cascade_plan(buf: KVBuffer, mu, t, sinks: int, window: int, tie_replace: bool,
+                 eager_fill: bool):
+    """One insertion (Cascade's Algorithm 1) of the token in the scratch slot, for every row at
+    once (rows of a ragged batch have different t, hence their own counters).
+
+    mu (slots, R) scores, t (R,) int64 token index; the buffer's sub-cache layout
+    `buf.cascade_*` (see policies/cascade.py) after `sinks` sink slots, `window` = the
+    sub-caches' total size. Updates the
+    per-row start/count and returns (src, dst), both (N + 1, R): one simultaneous move (all
+    sources read before any destination is written) that performs the whole cascade; pairs that
+    do nothing read and write the scratch slot.
+    """
+    sc, S = buf.scratch, sinks
+    start, count = buf.cascade_start, buf.cascade_count
+    base, size = buf.cascade_base, buf.cascade_size
+    sink = t < S
+    acc = (t - S).remainder(buf.cascade_period) == 0                      # (N, R)
+    if eager_fill:
+        acc = acc | (count.sum(0) < window)
+    full, empty = count == size, count == 0
+    push = acc & full
+    # the item reaches level i iff every level before it pushed (and evicted its oldest)
+    reach = torch.cat([torch.ones_like(push[:1]), push[:-1]]).long().cumprod(0)
+    alive = reach.bool() & ~sink
+    oldest = base + start
+    newest = base + (start + count - 1).remainder(size)
+    tail = base + (start + count).remainder(size)
+    scratch = torch.full_like(t, sc).unsqueeze(0)
+    carry = torch.cat([scratch, oldest[:-1]])           # slot holding the item at level i
+    mu_in, mu_new = mu.gather(0, carry), mu.gather(0, newest)
+    win = mu_in >= mu_new if tie_replace else mu_in > mu_new
+    do_push = alive & push
+    do_append = alive & ~push & (acc | empty)
+    do_win = alive & ~acc & ~empty & win
+    dst = torch.where(do_push, oldest, torch.where(do_append, tail, newest))
+    moved = do_push | do_append | do_win
+    dst = torch.where(moved, dst, sc)
+    src = torch.where(moved, carry, sc)
+    start.copy_(torch.where(do_push, (start + 1).remainder(size), start))
+    count.add_(do_append.to(count.dtype))
+    sink_dst = torch.where(sink, t, sc).unsqueeze(0)
+    return torch.cat([scratch, src]), torch.cat([sink_dst, dst])
+
+
+def cascade_update(buf: KVBuffer, probs, sinks: int, gamma: float, reduce: str, window: int,
+                   tie_replace: bool = False, eager_fill: bool = False) -> None:
+    """Cascade's full decode step: every non-sink slot's EMA mu <- gamma mu + (1 - gamma) s of
+    this step's attention s (probs (R, g, n), summed over the group, reduced over a sequence's
+    kv heads), kept in `buf.state`; then the scratch token's insertion (`cascade_plan`)."""
+    S, n = sinks, probs.shape[-1]
+    s = reduce_heads(kv_head_probs(probs), getattr(buf, "kv_heads", 1), reduce)   # (n, R)
+    buf.state[S:n].mul_(gamma).add_(s[S:], alpha=1.0 - gamma)
+    src, dst = cascade_plan(buf, buf.state, buf.pos[buf.scratch].to(torch.int64), sinks,
+                            window, tie_replace, eager_fill)
+    buf.move(src, dst)
+    buf.valid[buf.scratch] = False
