@@ -4,21 +4,29 @@
     python -m flexevict.eval ppl --model smollm2-135m --text FILE --policy h2o --budget 0.2 --json
     python -m flexevict.eval agreement --model smollm2-135m --policy h2o --budget 0.2 \\
         --input prompts.jsonl --max-new-tokens 64 --json
+    python -m flexevict.eval passkey --model smollm2-135m --policy h2o --budget 0.2 --json
+    python -m flexevict.eval sweep --model smollm2-135m --out DIR [--tasks ppl,agreement,...] \\
+        [--policies h2o,local,...] [--budgets 0.05,0.2,1.0] [--text FILE] [--quick]
 
 With eviction, `ppl` prefills `--prefill-tokens` tokens (default: the slot count) and feeds the
 rest one token at a time through the decode path, evicting exactly as generation does.
-`agreement` compares greedy continuations with the full cache's.
+`agreement` compares greedy continuations with the full cache's. `passkey` hides a 5-digit key
+at several depths of filler text and checks the greedy answer. `sweep` runs policies x budgets x
+tasks (ppl, agreement, passkey, attention-loss; see flexevict/tasks.py) on packaged real text,
+resumably, and writes a results JSON, markdown tables, the papers' claims and PNG plots.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+import os
+
+import torch
 
 from .cli import add_model_args, load_llm, policy_spec, print_resolved, read_jsonl_prompts, read_text
 from .errors import UserError, cli_errors
-from .metrics import rouge_l, token_agreement
 from .policies import PolicySpec
+from .tasks import compare
 
 
 def parse_args(argv=None):
@@ -36,9 +44,37 @@ def parse_args(argv=None):
     agree.add_argument("--input", required=True, help='JSONL of {"id": ..., "prompt": ...}')
     agree.add_argument("--max-new-tokens", type=int, default=64)
     agree.add_argument("--batch-size", type=int, default=8)
-    for sp in (ppl, agree):
+    passkey = sub.add_parser("passkey", help="retrieve a key hidden in long filler text")
+    add_model_args(passkey)
+    passkey.add_argument("--text", default=None,
+                         help="filler text file (default: Mohtashami & Jaggi's repeated sentences)")
+    passkey.add_argument("--length", type=int, default=512, help="prompt tokens (about)")
+    passkey.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9",
+                         help="where the key sits, as fractions of the filler (one prompt each)")
+    sweep = sub.add_parser("sweep", help="policies x budgets x tasks, tables and plots")
+    add_model_args(sweep)
+    add_sweep_args(sweep)
+    for sp in (ppl, agree, passkey, sweep):
         sp.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
+
+
+def add_sweep_args(p):
+    from .sweep import DEFAULT_BUDGETS, QUICK_BUDGETS
+    from .tasks import TASKS
+    p.add_argument("--out", required=True, help="folder for results.json, tables and plots")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {', '.join(TASKS)}")
+    p.add_argument("--policies", default=None, help="comma list (default: every registered policy)")
+    p.add_argument("--budgets", default=None,
+                   help="comma list of fractions in (0, 1] (default "
+                        f"{','.join(map(str, DEFAULT_BUDGETS))}; with --quick "
+                        f"{','.join(map(str, QUICK_BUDGETS))})")
+    p.add_argument("--text", default=None,
+                   help="UTF-8 text file that replaces the packaged texts in every task")
+    p.add_argument("--quick", action="store_true", help="small inputs (CI: minutes, not an hour)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: a small model's decode step is bound by "
+                        "per-op overhead, and on a shared machine more threads are slower)")
 
 
 def budget_label(args):
@@ -71,32 +107,131 @@ def run_agreement(args) -> dict:
     out = llm.generate(prompts, args.max_new_tokens, policy=spec, batch_size=args.batch_size,
                        stop_ids=())
     print_resolved(llm.resolved)
-    per = []
-    for row, a, r in zip(rows, out, ref):
-        frac, first = token_agreement(a["ids"], r["ids"])
-        per.append({"id": row.get("id"), "token_agreement": frac, "first_divergence": first,
-                    "rouge_l": rouge_l(a["completion"], r["completion"])})
-    mean = lambda key: sum(p[key] for p in per) / len(per)
+    scores = compare(out, ref)
+    for row, per in zip(rows, scores["per_prompt"]):
+        per["id"] = row.get("id")
     return {"model": llm.config.name, "policy": args.policy, "budget": budget_label(args),
-            "slots": [r["slots"] for r in llm.resolved], "prompts": len(per),
-            "max_new_tokens": args.max_new_tokens, "token_agreement": mean("token_agreement"),
-            "first_divergence": mean("first_divergence"), "rouge_l": mean("rouge_l"),
-            "per_prompt": per}
+            "slots": [r["slots"] for r in llm.resolved], "prompts": len(rows),
+            "max_new_tokens": args.max_new_tokens, **scores}
+
+
+def parse_fractions(spec: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{what} must be a comma list of numbers (got '{spec}')") from None
+
+
+def run_passkey(args) -> dict:
+    from .tasks import Passkey
+    depths = parse_fractions(args.depths, "--depths")
+    text = read_text(args.text) if args.text else None
+    spec = policy_spec(args)
+    llm = load_llm(args, progress=not args.json)
+    task = Passkey(llm, text, length=args.length, depths=depths, seed=args.seed)
+    result = task.run(llm, spec)
+    print_resolved(llm.resolved)
+    return {"model": llm.config.name, "policy": args.policy, "budget": budget_label(args),
+            "keys": task.keys, **task.settings, **result}
+
+
+def model_key(args, llm) -> str:
+    """What a sweep cell's model is: the name, plus the weights and dtype when not default."""
+    key = llm.config.name + (f"@{args.path}" if args.path else "")
+    return key + (f":{args.dtype}" if args.dtype else "")
+
+
+def sweep_inputs(args) -> tuple:
+    """Check every sweep argument before the model loads -> (tasks, policies, budgets, text)."""
+    from .sweep import DEFAULT_BUDGETS, QUICK_BUDGETS, parse_budgets, parse_policies
+    from .tasks import parse_tasks
+    if args.policy != "full" or args.budget is not None or args.budget_tokens is not None \
+            or args.policy_arg:
+        raise UserError("sweep takes --policies and --budgets (lists), not --policy, --budget, "
+                        "--budget-tokens or --policy-arg")
+    names = parse_tasks(args.tasks)
+    policies = parse_policies(args.policies)
+    budgets = parse_budgets(args.budgets) if args.budgets else \
+        list(QUICK_BUDGETS if args.quick else DEFAULT_BUDGETS)
+    text = read_text(args.text) if args.text else None
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UserError(f"--out {args.out}: exists and is not a folder")
+    if args.threads < 1:
+        raise UserError(f"--threads must be >= 1 (got {args.threads})")
+    try:
+        import matplotlib  # noqa: F401   (fail now, not after an hour of cells)
+    except ImportError:
+        raise UserError("the sweep's plots need matplotlib: pip install matplotlib") from None
+    return names, policies, budgets, text
+
+
+def run_sweep_cli(args) -> dict:
+    from . import sweep_report as report
+    from .sweep import run_sweep, select
+    from .tasks import TASKS
+    names, policies, budgets, text = sweep_inputs(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        llm = load_llm(args, progress=not args.json)
+        tasks = [TASKS[n](llm, text=text, quick=args.quick) for n in names]
+        model = model_key(args, llm)
+        data, ran, seconds = run_sweep(llm, model, tasks, policies, budgets, args.out)
+    finally:
+        torch.set_num_threads(threads)       # main() may run inside a bigger process (tests)
+    sel = select(data, model, tasks)
+    write(os.path.join(args.out, "results.md"),
+          report.tables(sel, tasks, sweep_note(model, tasks, args, data)))
+    write(os.path.join(args.out, "claims.md"), report.claims_markdown(report.claims(sel)))
+    plots = report.plots(sel, tasks, model, args.out)
+    return {"model": model, "out": args.out, "cells": len(sel), "cells_run": ran,
+            "seconds_this_run": seconds, "files": ["results.json", "results.md", "claims.md",
+                                                   *[os.path.basename(p) for p in plots]]}
+
+
+def sweep_note(model: str, tasks: list, args, data: dict) -> str:
+    lines = [f"Model `{model}`; text: {'`' + args.text + '`' if args.text else 'packaged'}"
+             f"{' (--quick)' if args.quick else ''}. Task settings:", ""]
+    lines += [f"- `{t.name}`: " + ", ".join(f"{k}={v}" for k, v in t.settings.items())
+              for t in tasks]
+    runs = data["runs"]
+    if runs:
+        lines += ["", "Runs that added cells (wall seconds, cells): " +
+                  "; ".join(f"{r['seconds']} s, {r['cells']}" for r in runs)]
+    return "\n".join(lines)
+
+
+def write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+RUNNERS = {"ppl": run_ppl, "agreement": run_agreement, "passkey": run_passkey,
+           "sweep": run_sweep_cli}
 
 
 def main(argv=None):
     args = parse_args(argv)
     with cli_errors("flexevict.eval"):
-        result = run_ppl(args) if args.task == "ppl" else run_agreement(args)
+        result = RUNNERS[args.task](args)
         if args.json:
             print(json.dumps(result))
-        elif args.task == "ppl":
-            print(f"{result['model']} policy={result['policy']} slots={result['slots']} "
-                  f"tokens={result['tokens']} nll={result['nll']:.4f} ppl={result['ppl']:.4f}")
         else:
-            print(f"{result['model']} policy={result['policy']} token_agreement="
-                  f"{result['token_agreement']:.3f} first_divergence={result['first_divergence']:.1f}"
-                  f" rouge_l={result['rouge_l']:.3f}", file=sys.stdout)
+            print(summary_line(args.task, result))
+
+
+def summary_line(task: str, r: dict) -> str:
+    if task == "ppl":
+        return (f"{r['model']} policy={r['policy']} slots={r['slots']} tokens={r['tokens']} "
+                f"nll={r['nll']:.4f} ppl={r['ppl']:.4f}")
+    if task == "agreement":
+        return (f"{r['model']} policy={r['policy']} token_agreement={r['token_agreement']:.3f} "
+                f"first_divergence={r['first_divergence']:.1f} rouge_l={r['rouge_l']:.3f}")
+    if task == "passkey":
+        return (f"{r['model']} policy={r['policy']} slots={r['slots']} accuracy="
+                f"{r['accuracy']:.3f} digit_accuracy={r['digit_accuracy']:.3f} answers="
+                + ",".join(p["answer"] or "-" for p in r["per_depth"]))
+    return f"{r['model']}: {r['cells']} cells in {r['out']}: " + ", ".join(r["files"])
 
 
 if __name__ == "__main__":

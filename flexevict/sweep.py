@@ -1,0 +1,142 @@
+"""The accuracy sweep: policies x budgets x tasks in one run, resumable, with tables and plots.
+
+    python -m flexevict.eval sweep --model smollm2-135m --out bench/results/accuracy
+    python -m flexevict.eval sweep --tasks ppl --policies h2o,local --budgets 0.1,0.2 --out DIR
+
+Every finished cell (model, task, policy, budget, task settings) is saved to `DIR/results.json`
+at once, so an interrupted sweep resumes where it stopped and a rerun skips finished cells.
+After the cells run, `results.md` (tables), `claims.md` (the papers' claims checked) and one PNG
+per metric (metric against budget, one line per policy) are written from every cell in the file
+that matches this run's model and task settings.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from .errors import UserError
+from .policies import POLICIES, PolicySpec
+
+DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.4, 0.6, 1.0)
+QUICK_BUDGETS = (0.2,)           # `full`, the reference, always runs (at 1.0)
+
+
+def parse_budgets(spec: str) -> list[float]:
+    """'0.05,0.2,1' -> sorted unique fractions in (0, 1]."""
+    out = []
+    for item in spec.split(","):
+        try:
+            b = float(item)
+        except ValueError:
+            raise UserError(f"--budgets: '{item}' is not a number (give fractions in (0, 1], "
+                            "e.g. 0.05,0.2,1.0)") from None
+        if not 0 < b <= 1:
+            raise UserError(f"--budgets: {b} is outside (0, 1]")
+        out.append(b)
+    return sorted(set(out))
+
+
+def parse_policies(spec: str | None) -> list[str]:
+    names = list(POLICIES) if spec is None else [s.strip() for s in spec.split(",") if s.strip()]
+    for n in names:
+        PolicySpec.parse(n)                 # a one-line error naming the known policies
+    return names
+
+
+def policy_at(name: str, budget: float) -> PolicySpec:
+    """The spec of one cell; `full` refuses a budget (it runs at 1.0 only)."""
+    return PolicySpec("full") if name == "full" else PolicySpec(name, budget=budget)
+
+
+def plan(tasks: list, policies: list[str], budgets: list[float]) -> list[tuple]:
+    """[(task, policy, budget)]: every policy at every budget; `full`, the reference every
+    table and claim compares with, once at 1.0 whatever the budgets."""
+    return [(t, p, b) for t in tasks for p in policies
+            for b in ([1.0] if p == "full" else budgets)]
+
+
+def cell_key(model: str, task, policy: str, budget: float) -> str:
+    return json.dumps({"model": model, "task": task.name, "policy": policy, "budget": budget,
+                       "settings": task.settings}, sort_keys=True)
+
+
+# ------------------------------------------------------------------------------ results file
+
+def load_results(path: str) -> dict:
+    if not os.path.exists(path):
+        return {"cells": {}, "runs": []}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        assert isinstance(data.get("cells"), dict)
+    except (ValueError, AssertionError, AttributeError):
+        raise UserError(f"{path}: not a sweep results file; use another --out") from None
+    data.setdefault("runs", [])
+    return data
+
+
+def save_results(path: str, data: dict) -> None:
+    """Write-then-rename: a crash mid-write never loses the cells already saved."""
+    tmp = path + ".partial"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor(),
+            "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+# ------------------------------------------------------------------------------ running
+
+def run_sweep(llm, model: str, tasks: list, policies: list[str], budgets: list[float],
+              out: str, progress: bool = True) -> tuple[dict, int, float]:
+    """Run every missing cell, saving after each; -> (the results file's contents, cells run,
+    wall seconds spent on them).
+
+    tasks: built `tasks.Task` objects (their inputs fixed); model: the name cells are keyed by.
+    """
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "results.json")
+    data = load_results(path)
+    cells = plan(tasks, policies, budgets)
+    todo = [c for c in cells if cell_key(model, *c) not in data["cells"]]
+    print(f"sweep: {len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run"
+          f" -> {path}", file=sys.stderr)
+    from tqdm import tqdm
+    bar = tqdm(todo, desc="sweep", unit="cell", file=sys.stderr, disable=not progress)
+    t_start = time.perf_counter()
+    for task, name, budget in bar:
+        bar.set_postfix_str(f"{task.name} {name} {budget:g}")
+        t0 = time.perf_counter()
+        spec = policy_at(name, budget)
+        why = task.slots_check(spec)      # a budget below the policy's minimum: a skipped cell
+        metrics = {"skipped": why} if why else task.run(llm, spec)
+        data["cells"][cell_key(model, task, name, budget)] = {
+            "model": model, "task": task.name, "policy": name, "budget": budget,
+            "settings": task.settings, "metrics": metrics,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "finished": datetime.datetime.now().isoformat(timespec="seconds")}
+        save_results(path, data)
+    seconds = round(time.perf_counter() - t_start, 1)
+    if todo:
+        data["runs"].append({"cells": len(todo), "seconds": seconds,
+                             "tasks": [t.name for t in tasks], "policies": policies,
+                             "budgets": budgets, "machine": machine()})
+        save_results(path, data)
+    return data, len(todo), seconds
+
+
+def select(data: dict, model: str, tasks: list) -> dict:
+    """{(task, policy, budget): metrics} of the cells matching this model and task settings
+    (any policy and budget: a later run that adds budgets shows up in the same tables)."""
+    settings = {t.name: t.settings for t in tasks}
+    return {(c["task"], c["policy"], c["budget"]): c["metrics"] for c in data["cells"].values()
+            if c["model"] == model and settings.get(c["task"]) == c["settings"]}

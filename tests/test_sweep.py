@@ -1,0 +1,179 @@
+"""The accuracy sweep (`python -m flexevict.eval sweep`) on the packaged SmolLM2 and texts.
+
+One `--quick` sweep over every policy and task runs once for the module (about 2 minutes on a
+2-core CPU); the tests read its files. They check the orderings that hold robustly at the quick
+size (every policy beats `local` on streaming perplexity at 20%; `full` reproduces the
+no-eviction engine bit for bit), resumability, the `--text` override and the one-line errors.
+"""
+import json
+import math
+import os
+
+import pytest
+
+from flexevict.errors import UserError
+from flexevict.eval import main
+from flexevict.policies import POLICIES, PolicySpec
+
+
+def packaged_texts_or_skip():
+    from flexevict.packaged import wikipedia_text
+    from flexevict.tasks import news_articles, shakespeare_text
+    try:
+        wikipedia_text(1), shakespeare_text(), news_articles()
+    except UserError as e:
+        pytest.skip(str(e))
+
+
+def sweep(capsys, *argv) -> dict:
+    """Run the sweep CLI in this process -> its --json summary (stderr in ['stderr'])."""
+    main(["sweep", *argv, "--json"])
+    out, err = capsys.readouterr()
+    return {**json.loads(out.strip().splitlines()[-1]), "stderr": err}
+
+
+def cells(folder) -> dict:
+    with open(os.path.join(folder, "results.json")) as f:
+        data = json.load(f)["cells"]
+    return {(c["task"], c["policy"], c["budget"]): c for c in data.values()}
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory, smollm2_path):
+    packaged_texts_or_skip()
+    folder = str(tmp_path_factory.mktemp("sweep"))
+    main(["sweep", "--quick", "--out", folder, "--json"])
+    return folder
+
+
+def test_quick_sweep_writes_results_tables_claims_and_plots(quick):
+    c = cells(quick)
+    evicting = [p for p in POLICIES if p != "full"]
+    for task in ("ppl", "agreement", "passkey", "attention-loss"):
+        assert (task, "full", 1.0) in c                          # the reference, always run
+        assert all((task, p, 0.2) in c for p in evicting)
+    md = open(os.path.join(quick, "results.md")).read()
+    assert all(f"`{p}`" in md for p in POLICIES)
+    claims = open(os.path.join(quick, "claims.md")).read()
+    for paper in ("H2O", "BUZZ", "Cascade", "HashEvict", "VATP"):
+        assert f"| {paper} |" in claims
+    for name in ("ppl_ppl", "agreement_rouge_l", "passkey_accuracy",
+                 "attention-loss_attn_error", "attention-loss_per_layer"):
+        with open(os.path.join(quick, name + ".png"), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_policy_beats_local_at_20_percent_perplexity(quick):
+    c = cells(quick)
+    local = c[("ppl", "local", 0.2)]["metrics"]["ppl"]
+    for p in POLICIES:
+        if p not in ("full", "local"):
+            ppl = c[("ppl", p, 0.2)]["metrics"]["ppl"]
+            assert math.isfinite(ppl) and ppl < local, (p, ppl, local)
+    assert c[("ppl", "full", 1.0)]["metrics"]["ppl"] < local
+
+
+def test_full_equals_the_no_eviction_engine_exactly(quick, engine_smollm2):
+    """The sweep's `full` row is `LLM.score_ids` with no policy, bit for bit, per document."""
+    from flexevict.tasks import Ppl
+    task = Ppl(engine_smollm2, quick=True)
+    cell = cells(quick)[("ppl", "full", 1.0)]
+    assert cell["settings"] == task.settings                      # the same token ids
+    for name, ids in task.docs.items():
+        assert cell["metrics"]["per_doc"][name] == engine_smollm2.score_ids(ids)["ppl"]
+
+
+def test_reference_cells_are_exact(quick):
+    c = cells(quick)
+    assert c[("agreement", "full", 1.0)]["metrics"]["rouge_l"] == 1.0
+    assert c[("agreement", "full", 1.0)]["metrics"]["token_agreement"] == 1.0
+    assert c[("passkey", "full", 1.0)]["metrics"]["accuracy"] == 1.0  # the task is solvable
+    assert c[("attention-loss", "full", 1.0)]["metrics"]["attn_error"] == 0.0
+
+
+def test_attention_error_measures_eviction(quick):
+    c = cells(quick)
+    err = {p: c[("attention-loss", p, 0.2)]["metrics"] for p in POLICIES if p != "full"}
+    ran = {p: m for p, m in err.items() if "skipped" not in m}
+    assert "hashevict" not in ran and "below policy" in err["hashevict"]["skipped"]
+    for p, m in ran.items():
+        assert m["decode_steps"] > 0 and len(m["per_layer"]) == 30
+        assert all(e > 0 for e in m["per_layer"]), p
+    assert ran["local"]["attn_error"] > ran["h2o"]["attn_error"]  # no sinks: far off
+
+
+def test_rerun_skips_finished_cells_and_resumes_a_missing_one(quick, capsys):
+    before = cells(quick)
+    r = sweep(capsys, "--quick", "--out", quick)
+    assert "52 cells, 52 already done, 0 to run" in r["stderr"] and r["cells_run"] == 0
+    assert cells(quick) == before
+    path = os.path.join(quick, "results.json")                    # lose one finished cell
+    with open(path) as f:
+        data = json.load(f)
+    key = next(k for k, v in data["cells"].items()
+               if (v["task"], v["policy"]) == ("passkey", "h2o"))
+    del data["cells"][key]
+    with open(path, "w") as f:
+        json.dump(data, f)
+    r = sweep(capsys, "--quick", "--out", quick)
+    assert "51 already done, 1 to run" in r["stderr"] and r["cells_run"] == 1
+    after = cells(quick)
+    assert after[("passkey", "h2o", 0.2)]["metrics"] == before[("passkey", "h2o", 0.2)]["metrics"]
+    assert all(after[k]["finished"] == v["finished"] for k, v in before.items()
+               if k != ("passkey", "h2o", 0.2))
+
+
+def test_text_override_replaces_the_packaged_texts(tmp_path, capsys, smollm2_path):
+    text = tmp_path / "mine.txt"
+    text.write_text(" ".join(f"Line {i}: the river rose {i} feet after the storm, and the town "
+                             f"moved {i * 3} families uphill." for i in range(12)))
+    out = str(tmp_path / "out")
+    sweep(capsys, "--quick", "--out", out, "--text", str(text), "--tasks", "ppl,passkey",
+          "--policies", "full,h2o,local", "--budgets", "0.5,1.0")
+    c = cells(out)
+    assert c[("ppl", "full", 1.0)]["settings"]["docs"] == ["text"]
+    assert c[("passkey", "full", 1.0)]["settings"]["filler"] == "text"
+    # a budget that holds the whole stream evicts nothing: identical to `full`
+    assert c[("ppl", "h2o", 1.0)]["metrics"]["ppl"] == c[("ppl", "full", 1.0)]["metrics"]["ppl"]
+    assert c[("ppl", "h2o", 0.5)]["metrics"]["ppl"] < c[("ppl", "local", 0.5)]["metrics"]["ppl"]
+
+
+def test_stream_nll_is_score_ids_for_one_document(engine_smollm2):
+    from flexevict.tasks import first_tokens, stream_nll, wikipedia_text
+    ids = first_tokens(engine_smollm2.tokenizer, wikipedia_text(20), 64)
+    spec = PolicySpec("h2o", budget=0.25)
+    nll = stream_nll(engine_smollm2.engine, [ids], spec.make())
+    assert float(nll.double().mean()) == engine_smollm2.score_ids(ids, spec)["nll"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "ppl,summaries"], "unknown task 'summaries'"),
+    (["--budgets", "0.2,1.5"], "--budgets: 1.5 is outside (0, 1]"),
+    (["--budgets", "0,0.2"], "--budgets: 0.0 is outside (0, 1]"),
+    (["--budgets", "half"], "--budgets: 'half' is not a number"),
+    (["--text", "/nonexistent/doc.txt"], "/nonexistent/doc.txt: text file does not exist"),
+    (["--policies", "h2o,lru"], "unknown policy 'lru'"),
+    (["--policy", "h2o"], "sweep takes --policies and --budgets"),
+])
+def test_bad_input_is_one_line_error(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "--out", str(tmp_path / "o"), *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flexevict.eval: error: ") and message in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "o")                   # nothing loaded, nothing written
+
+
+def test_passkey_cli_retrieves_with_the_full_cache(capsys, smollm2_path):
+    main(["passkey", "--length", "160", "--depths", "0.3,0.7", "--json"])
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["policy"] == "full" and r["accuracy"] == 1.0
+    assert [p["answer"] for p in r["per_depth"]] == r["keys"]
+
+
+def test_passkey_cli_rejects_bad_depths(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["passkey", "--depths", "0.5,2"])
+    assert e.value.code == 2
+    assert "passkey depths must be in [0, 1]" in capsys.readouterr().err
