@@ -34,7 +34,7 @@ import re
 import torch
 
 from .errors import UserError
-from .generation import _nll, check_length
+from .generation import stream_nll
 from .kv import KVBuffer
 from .metrics import rouge_l, token_agreement
 from .packaged import _locate, wikipedia_text
@@ -78,41 +78,6 @@ def digest(data) -> str:
 
 
 # ------------------------------------------------------------------------------ scoring
-
-def stream_nll(engine, docs: list[list[int]], policy, prefill_tokens: int | None = None,
-               chunk: int = 256) -> torch.Tensor:
-    """Teacher-forced NLL of B equal-length documents in one batch -> (B, N-1) fp32 nats.
-
-    `generation.token_nll` for a batch: a prefill of `prefill_tokens` tokens (default: the
-    policy's slots with eviction, else all), then one token per step through the decode path.
-    For B = 1 it is bit-identical to `LLM.score_ids` (tested); batching costs about as much as
-    one stream on a CPU, whose decode step is bound by per-op overhead.
-    """
-    b, n = len(docs), len(docs[0])
-    if any(len(d) != n for d in docs):
-        raise ValueError("stream_nll needs documents of equal length")
-    check_length(engine.config, n - 1, 1)
-    policy.capacity(n - 1, 1)                      # resolve the slots for n tokens in all
-    p0 = min(prefill_tokens or (policy.slots if policy.evicts else n - 1), n - 1)
-    target = torch.tensor(docs, dtype=torch.long, device=engine.tiers.compute)    # (B, N)
-    sizes = engine.placement.batch_split(b)
-    rows = [slice(sum(sizes[:k]), sum(sizes[:k + 1])) for k in range(len(sizes))]
-    nll: dict = {}
-
-    def consume(i, k, h, head):
-        t = target[rows[k]]
-        if i == 0:                                 # h (b_k, p0, D) predicts tokens 1..p0
-            known = t[:, 1:p0 + 1]
-            nll[k] = [_nll(head, h[:, a:a + chunk].reshape(-1, h.shape[-1]),
-                           known[:, a:a + chunk].reshape(-1)).view(t.shape[0], -1)
-                      for a in range(0, p0, chunk)]
-        else:                                      # h (b_k, D) predicts token p0 + i
-            nll[k].append(_nll(head, h, t[:, p0 + i]).unsqueeze(1))
-        return t[:, p0 + i]
-
-    engine.run([d[:p0] for d in docs], n - p0, policy, consume)
-    return torch.cat([torch.cat(nll[k], dim=1) for k in sorted(nll)])
-
 
 class AttentionError:
     """While active, every attention call of `model` (a Transformer) also runs a full-cache

@@ -10,6 +10,7 @@ import math
 import os
 
 import pytest
+import torch
 
 from flexevict.errors import UserError
 from flexevict.eval import main
@@ -138,12 +139,17 @@ def test_text_override_replaces_the_packaged_texts(tmp_path, capsys, smollm2_pat
     assert c[("ppl", "h2o", 0.5)]["metrics"]["ppl"] < c[("ppl", "local", 0.5)]["metrics"]["ppl"]
 
 
-def test_stream_nll_is_score_ids_for_one_document(engine_smollm2):
-    from flexevict.tasks import first_tokens, stream_nll, wikipedia_text
-    ids = first_tokens(engine_smollm2.tokenizer, wikipedia_text(20), 64)
+def test_stream_nll_batch_equals_each_document_alone(engine_smollm2):
+    from flexevict.generation import stream_nll
+    from flexevict.tasks import first_tokens, wikipedia_text
+    docs = [first_tokens(engine_smollm2.tokenizer, wikipedia_text(20 + i), 64) for i in range(2)]
     spec = PolicySpec("h2o", budget=0.25)
-    nll = stream_nll(engine_smollm2.engine, [ids], spec.make())
-    assert float(nll.double().mean()) == engine_smollm2.score_ids(ids, spec)["nll"]
+    together = stream_nll(engine_smollm2.engine, docs, spec.make())
+    for doc, row in zip(docs, together):
+        alone = stream_nll(engine_smollm2.engine, [doc], spec.make())[0]
+        torch.testing.assert_close(row, alone, rtol=1e-5, atol=1e-5)
+    assert float(together[0].double().mean()) == pytest.approx(
+        engine_smollm2.score_ids(docs[0], spec)["nll"], rel=1e-5)
 
 
 @pytest.mark.parametrize("argv, message", [
