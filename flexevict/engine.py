@@ -227,11 +227,9 @@ class Engine:
             cache.append(bufs)
         return cache
 
-    def _work_device(self, tier: str) -> torch.device:
-        """Attention (and eviction) for a cache in `tier` runs here."""
-        if self.placement.cpu_cache_compute and tier in ("cpu", "disk"):
-            return torch.device("cpu")
-        return self.tiers.compute
+    def _work_tier(self, tier: str) -> str:
+        """Attention (and eviction) for a cache in `tier` runs in this tier's memory."""
+        return "cpu" if self.placement.cpu_cache_compute and tier in ("cpu", "disk") else "gpu"
 
     def _step(self, i, feed, inputs, cache, policy, consume):
         """One token step over the (layer, GPU batch) grid -> next feed per batch."""
@@ -255,7 +253,7 @@ class Engine:
                 continue
             h = self._compute(stage, w, h, inputs[k], buf, policy)
             if buf is not None:
-                self._store_cache(n, stage, k, cache, buf)
+                self._store_cache(i, n, stage, k, cache, buf)
                 if not overlap:
                     self._stored[n % POOL].wait()
             hidden[k] = self._park_hidden(h)
@@ -294,12 +292,12 @@ class Engine:
             return Ticket(_like(home, self.tiers.compute))
         slot = n % POOL
         work = self._pool[slot]
-        dev = self._work_device(tier)
+        dst = self._work_tier(tier)
+        dev = self.tiers.device(dst)
         if work is None or work.device != dev or work.valid.shape != home.valid.shape:
             work = self._pool[slot] = _like(home, dev)
         previous = self._stored[slot]
-        self.traffic.add(tier, "cpu" if dev.type == "cpu" and tier == "disk" else "gpu",
-                         home.nbytes())
+        self.traffic.add(tier, dst, home.nbytes())
 
         def load():
             previous.wait()                            # its last user's store has finished
@@ -307,11 +305,11 @@ class Engine:
             return work
         return self.lanes["load_cache"].submit(load)
 
-    def _store_cache(self, n: int, stage: Stage, k: int, cache, work: KVBuffer) -> None:
+    def _store_cache(self, i: int, n: int, stage: Stage, k: int, cache, work: KVBuffer) -> None:
         home, tier = cache[k][stage.layer], self._cache_tier(cache, k)
         if work is home:
             return
-        src = "cpu" if work.device.type == "cpu" and tier == "disk" else "gpu"
+        src = "gpu" if i == 0 else self._work_tier(tier)    # prefill computes on the device
 
         def store():
             self.traffic.add(src, tier, store_into(home, work))
