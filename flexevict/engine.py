@@ -218,7 +218,8 @@ class Engine:
     def _allocate_cache(self, capacity: int, sizes: list[int]) -> list[list[KVBuffer]]:
         """cache[k][j]: GPU batch k's buffer of block j, in its home tier."""
         cache = []
-        for tier, size in zip(self.placement.cache_tiers(len(sizes)), sizes):
+        self._cache_tiers = self.placement.cache_tiers(len(sizes))   # cache[k]'s home tier
+        for tier, size in zip(self._cache_tiers, sizes):
             bufs = G.allocate(self.model, capacity, size, self.tiers.alloc(tier))
             if self.placement.compress_cache:
                 put = lambda x, tier=tier: self.tiers.put(tier, x)   # noqa: E731
@@ -268,14 +269,11 @@ class Engine:
         if stage.kind == "mlp":
             return m.mlp_half(w, h)
         if buf is not None and buf.device != h.device and inp.valid is None:
-            self._count_shipping(h.shape[0], buf.device)
+            self._count_shipping(h.shape[0])
         h = m.attention_half(w, h, inp, buf, policy)
         return m.mlp_half(w, h) if stage.kind == "block" else h
 
     # ------------------------------------------------------------------ cache
-    def _cache_tier(self, cache, k: int) -> str:
-        return self.placement.cache_tiers(len(cache))[k]
-
     def _load_cache(self, i: int, n: int, order, cache) -> Ticket:
         """Ticket for the buffer that grid cell n = (stage, k) computes with: the home itself,
         or a working buffer (fresh for a prefill, else a copy of the home) from a pool of
@@ -284,7 +282,7 @@ class Engine:
         stage = self.stages[s]
         if not stage.has_cache:
             return DONE
-        home, tier = cache[k][stage.layer], self._cache_tier(cache, k)
+        home, tier = cache[k][stage.layer], self._cache_tiers[k]
         direct_cpu = tier == "cpu" and self.placement.cpu_cache_compute and i > 0
         if (tier == "gpu" or direct_cpu) and not self.placement.compress_cache:
             return Ticket(home)
@@ -306,7 +304,7 @@ class Engine:
         return self.lanes["load_cache"].submit(load)
 
     def _store_cache(self, i: int, n: int, stage: Stage, k: int, cache, work: KVBuffer) -> None:
-        home, tier = cache[k][stage.layer], self._cache_tier(cache, k)
+        home, tier = cache[k][stage.layer], self._cache_tiers[k]
         if work is home:
             return
         src = "gpu" if i == 0 else self._work_tier(tier)    # prefill computes on the device
@@ -315,7 +313,7 @@ class Engine:
             self.traffic.add(src, tier, store_into(home, work))
         self._stored[n % POOL] = self.lanes["store_cache"].submit(store)
 
-    def _count_shipping(self, b: int, dev):
+    def _count_shipping(self, b: int):
         """cpu_cache_compute ships q, k, v of the new token to the cache and the output back."""
         c, e = self.config, self.model.dtype.itemsize
         self.traffic.add("gpu", "cpu", b * (c.num_heads + 2 * c.num_kv_heads) * c.dim_head * e)

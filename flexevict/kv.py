@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 
-
 def zeros(shape, dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -171,14 +170,8 @@ def load_into(work: KVBuffer, home: KVBuffer) -> None:
             continue
         if isinstance(value, Packed4bit):
             getattr(work, name).copy_(dequantize_4bit(value.to(work.device, non_blocking=True)))
-        elif isinstance(value, torch.Tensor):
-            mine = getattr(work, name, None)
-            if mine is None or mine.shape != value.shape or mine.dtype != value.dtype:
-                setattr(work, name, value.to(work.device, copy=True))
-            else:
-                mine.copy_(value, non_blocking=True)
         else:
-            setattr(work, name, value)
+            _copy_field(work, name, value, non_blocking=True)
     work.dirty = []
 
 
@@ -189,17 +182,8 @@ def store_into(home: KVBuffer, work: KVBuffer) -> int:
     for name, value in vars(work).items():
         if name in _NOT_STATE or name in ("k", "v"):
             continue
-        if isinstance(value, torch.Tensor):
-            mine = getattr(home, name, None)
-            if mine is None or mine.shape != value.shape or mine.dtype != value.dtype:
-                setattr(home, name, value.to(home.device, copy=True))
-            else:
-                mine.copy_(value)
-            moved += value.numel() * value.element_size()
-        else:
-            setattr(home, name, value)
-    rows = slice(None)
-    for slots in ([rows] if work.dirty is None else work.dirty):
+        moved += _copy_field(home, name, value)
+    for slots in ([slice(None)] if work.dirty is None else work.dirty):
         if isinstance(slots, torch.Tensor):            # one slot per row: (..., rows)
             src, dst = (slots, work.rows_index), (slots.to(home.device), home.rows_index)
         else:
@@ -208,6 +192,21 @@ def store_into(home: KVBuffer, work: KVBuffer) -> int:
             moved += _assign(mine, dst, value[src])
     work.dirty = []
     return moved
+
+
+def _copy_field(buf: KVBuffer, name: str, value, non_blocking: bool = False) -> int:
+    """buf.<name> = value on buf's device: copied into the existing tensor when it matches,
+    else a new copy (a field a policy attached on the other side); scalars are assigned.
+    -> bytes copied."""
+    if not isinstance(value, torch.Tensor):
+        setattr(buf, name, value)
+        return 0
+    mine = getattr(buf, name, None)
+    if mine is None or mine.shape != value.shape or mine.dtype != value.dtype:
+        setattr(buf, name, value.to(buf.device, copy=True))
+    else:
+        mine.copy_(value, non_blocking=non_blocking)
+    return value.numel() * value.element_size()
 
 
 def _assign(dst, index, src: torch.Tensor) -> int:

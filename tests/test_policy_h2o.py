@@ -42,12 +42,18 @@ def scores_by_pos(buf):
                                                       buf.score[:buf.capacity, 0][v])}
 
 
-def test_h2o_worked_example():
-    """H = 2 heavy, R = 2 recent (4 committed slots + scratch): evicts t1, t3 | t4 | t5 | t2."""
-    policy = get_policy("h2o", budget_tokens=5)
+def prompt_colsum() -> torch.Tensor:
+    """(6, 1) column sums of the worked example's prompt attention rows."""
     colsum = torch.zeros(6, 1)
     for q, row in enumerate(PROMPT_ROWS):
         colsum[:q + 1, 0] += torch.tensor(row)
+    return colsum
+
+
+def test_h2o_worked_example():
+    """H = 2 heavy, R = 2 recent (4 committed slots + scratch): evicts t1, t3 | t4 | t5 | t2."""
+    policy = get_policy("h2o", budget_tokens=5)
+    colsum = prompt_colsum()
     buf = buffer_after_prompt(policy, 6, 4, colsum)
     assert (policy.prefix, policy.ring) == (2, 2)
     assert kept(buf) == [0, 2, 4, 5]
@@ -66,9 +72,7 @@ def test_h2o_worked_example():
 def test_h2o_ring_first_step_differs_as_the_report_says():
     """Same prompt, ring variant with hh_k = 2: heavy {t0, t2}, ring {t5}; step 1 kicks t2."""
     policy = get_policy("h2o-ring", budget_tokens=4)
-    colsum = torch.zeros(6, 1)
-    for q, row in enumerate(PROMPT_ROWS):
-        colsum[:q + 1, 0] += torch.tensor(row)
+    colsum = prompt_colsum()
     buf = buffer_after_prompt(policy, 6, 4, colsum)
     assert kept(buf) == [0, 2, 5]
     decode(policy, buf, 6, {0: .4, 2: .1, 5: .3, 6: .2})
