@@ -16,7 +16,7 @@ import torch
 from .config import ModelConfig, registry_config, with_overrides
 from .errors import UserError
 from .engine import Engine
-from .generation import Sampling, generate, token_nll
+from .generation import Sampling, generate, plan_batches, token_nll
 from .packaged import PACKAGED_MODELS
 from .placement import Placement
 from .policies import PolicySpec
@@ -98,7 +98,9 @@ class LLM:
         """-> one dict per prompt, in order: {"completion", "tokens", "ids"}.
 
         Prompts are grouped by length into batches of `batch_size` (with --gpu-batch-size:
-        gpu_batch_size x num_gpu_batches) to limit padding. The policy's resolved budget of each
+        gpu_batch_size x num_gpu_batches) to limit padding; with an evicting policy only prompts
+        whose budget resolves alike share a batch (`generation.plan_batches`), so a prompt's
+        greedy tokens never depend on the other prompts. The policy's resolved budget of each
         batch is appended to `self.resolved`.
         """
         p = self.placement
@@ -109,9 +111,8 @@ class LLM:
         spec = as_spec(policy)
         stop = tuple(self.config.eos_token_ids) if stop_ids is None else tuple(stop_ids)
         encoded = [self.tokenizer.encode(p) for p in prompts]
-        order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
         results: list[dict | None] = [None] * len(prompts)
-        batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        batches = plan_batches([len(e) for e in encoded], max_new_tokens, spec.make(), batch_size)
         bar = None
         if progress:
             from tqdm import tqdm

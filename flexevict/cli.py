@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -10,7 +11,7 @@ from .config import known_names
 from .errors import UserError
 
 
-def add_model_args(p: argparse.ArgumentParser):
+def add_model_args(p: argparse.ArgumentParser, threads: int | None = None):
     p.add_argument("--model", default="smollm2-135m",
                    help=f"registry name ({known_names()}), an HF folder, or a .gguf file")
     p.add_argument("--path", default=None,
@@ -20,8 +21,40 @@ def add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: float32 on CPU, float16 on GPU")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and sampling")
+    add_threads_arg(p, threads)
     add_policy_args(p)
     add_placement_args(p)
+
+
+def add_threads_arg(p: argparse.ArgumentParser, default: int | None = None):
+    what = "torch's default, one per core" if default is None else str(default)
+    p.add_argument("--threads", type=int, default=default,
+                   help=f"torch CPU threads (default {what}); on a shared machine, or with a small "
+                        "model whose ops are overhead-bound, 1 is often much faster")
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int | None):
+    """Run with n torch CPU threads (None: leave as is), restored after (a CLI's main() may run
+    inside a bigger process, e.g. the tests)."""
+    if n is not None and n < 1:
+        raise UserError(f"--threads must be >= 1 (got {n})")
+    before = torch_threads()
+    if n is not None:
+        _torch().set_num_threads(n)
+    try:
+        yield
+    finally:
+        _torch().set_num_threads(before)
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def torch_threads() -> int:
+    return _torch().get_num_threads()
 
 
 def str2bool(v: str) -> bool:
@@ -108,10 +141,14 @@ def read_text(path: str) -> str:
 
 
 def read_jsonl_prompts(path: str) -> list[dict]:
-    """Lines `{"id": ..., "prompt": "..."}`; every problem names its line."""
+    """Lines `{"id": ..., "prompt": "..."}` -> rows, each with its 1-based `_line`.
+
+    Every problem names the file and line (and the id): malformed JSON, a missing, empty or
+    whitespace-only prompt, and a duplicate id (with both lines). Rows without an id are
+    numbered by their line."""
     if not os.path.isfile(path):
         raise UserError(f"{path}: input file does not exist")
-    rows = []
+    rows, seen = [], {}
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -123,10 +160,56 @@ def read_jsonl_prompts(path: str) -> list[dict]:
                                 '{"id": ..., "prompt": "..."}') from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise UserError(f'{path}:{n}: line needs a string "prompt" field')
-            rows.append(row)
+            rid = row.get("id", n)
+            where = f"{path}:{n} (id {json.dumps(rid)})"
+            if not row["prompt"].strip():
+                what = "empty" if not row["prompt"] else "whitespace-only"
+                raise UserError(f"{where}: {what} prompt; give every line some text")
+            key = json.dumps(rid, sort_keys=True)
+            if key in seen:
+                raise UserError(f"{where}: duplicate id, first used on line {seen[key]}; give "
+                                "every line its own id")
+            seen[key] = n
+            rows.append({**row, "_line": n})
     if not rows:
         raise UserError(f"{path}: input file has no prompts")
     return rows
+
+
+def check_prompt_lengths(rows: list[dict], encoded: list[list[int]], config,
+                         max_new_tokens: int, path: str = "--prompt") -> None:
+    """Every prompt fits the model's positions with max_new_tokens more; else the first one
+    that does not is named (file, line, id) before any generation starts."""
+    limit = config.max_positions
+    for row, ids in zip(rows, encoded):
+        if not ids:
+            raise UserError(f"{_where(row, path)}: prompt encodes to no tokens; give it some text")
+        if len(ids) + max_new_tokens - 1 > limit:
+            raise UserError(f"{_where(row, path)}: prompt of {len(ids)} tokens + {max_new_tokens} "
+                            f"new tokens exceeds the model's maximum of {limit} positions; "
+                            "shorten the prompt or --max-new-tokens")
+
+
+def check_prompts(args, rows: list[dict], max_new_tokens: int, path: str = "--prompt") -> None:
+    """Tokenize every prompt with the model's tokenizer and check its length, before any
+    weight is loaded (a bad last line must not fail a job after hours of work)."""
+    from .api import resolve_model
+    from .tokenizer import load_tokenizer
+    config, weights = resolve_model(args.model, args.path)
+    tok = load_tokenizer(weights)
+    check_prompt_lengths(rows, [tok.encode(r["prompt"]) for r in rows], config, max_new_tokens,
+                         path)
+
+
+def without_line(row: dict) -> dict:
+    """An input row as the user wrote it (read_jsonl_prompts adds `_line`)."""
+    return {k: v for k, v in row.items() if k != "_line"}
+
+
+def _where(row: dict, path: str) -> str:
+    if "_line" not in row:
+        return path
+    return f"{path}:{row['_line']} (id {json.dumps(row.get('id', row['_line']))})"
 
 
 def write_jsonl_atomic(path: str, rows: list[dict]):

@@ -21,9 +21,8 @@ import argparse
 import json
 import os
 
-import torch
-
-from .cli import add_model_args, load_llm, policy_spec, print_resolved, read_jsonl_prompts, read_text
+from .cli import (add_model_args, check_prompts, cpu_threads, load_llm, policy_spec,
+                  print_resolved, read_jsonl_prompts, read_text)
 from .errors import UserError, cli_errors
 from .policies import PolicySpec
 from .tasks import compare
@@ -52,7 +51,7 @@ def parse_args(argv=None):
     passkey.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9",
                          help="where the key sits, as fractions of the filler (one prompt each)")
     sweep = sub.add_parser("sweep", help="policies x budgets x tasks, tables and plots")
-    add_model_args(sweep)
+    add_model_args(sweep, threads=1)   # a small model's decode step is per-op-overhead bound
     add_sweep_args(sweep)
     for sp in (ppl, agree, passkey, sweep):
         sp.add_argument("--json", action="store_true", help="print one JSON object")
@@ -72,9 +71,6 @@ def add_sweep_args(p):
     p.add_argument("--text", default=None,
                    help="UTF-8 text file that replaces the packaged texts in every task")
     p.add_argument("--quick", action="store_true", help="small inputs (CI: minutes, not an hour)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: a small model's decode step is bound by "
-                        "per-op overhead, and on a shared machine more threads are slower)")
 
 
 def budget_label(args):
@@ -98,6 +94,7 @@ def run_ppl(args) -> dict:
 def run_agreement(args) -> dict:
     rows = read_jsonl_prompts(args.input)
     spec = policy_spec(args)
+    check_prompts(args, rows, args.max_new_tokens, args.input)
     llm = load_llm(args, progress=not args.json)
     prompts = [r["prompt"] for r in rows]
     # exactly max_new_tokens each (no stop tokens) so both runs are compared step for step
@@ -156,8 +153,6 @@ def sweep_inputs(args) -> tuple:
     text = read_text(args.text) if args.text else None
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UserError(f"--out {args.out}: exists and is not a folder")
-    if args.threads < 1:
-        raise UserError(f"--threads must be >= 1 (got {args.threads})")
     try:
         import matplotlib  # noqa: F401   (fail now, not after an hour of cells)
     except ImportError:
@@ -170,15 +165,10 @@ def run_sweep_cli(args) -> dict:
     from .sweep import run_sweep, select
     from .tasks import TASKS
     names, policies, budgets, text = sweep_inputs(args)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        llm = load_llm(args, progress=not args.json)
-        tasks = [TASKS[n](llm, text=text, quick=args.quick) for n in names]
-        model = model_key(args, llm)
-        data, ran, seconds = run_sweep(llm, model, tasks, policies, budgets, args.out)
-    finally:
-        torch.set_num_threads(threads)       # main() may run inside a bigger process (tests)
+    llm = load_llm(args, progress=not args.json)
+    tasks = [TASKS[n](llm, text=text, quick=args.quick) for n in names]
+    model = model_key(args, llm)
+    data, ran, seconds = run_sweep(llm, model, tasks, policies, budgets, args.out)
     sel = select(data, model, tasks)
     write(os.path.join(args.out, "results.md"),
           report.tables(sel, tasks, sweep_note(model, tasks, args, data)))
@@ -212,7 +202,7 @@ RUNNERS = {"ppl": run_ppl, "agreement": run_agreement, "passkey": run_passkey,
 
 def main(argv=None):
     args = parse_args(argv)
-    with cli_errors("flexevict.eval"):
+    with cli_errors("flexevict.eval"), cpu_threads(args.threads):
         result = RUNNERS[args.task](args)
         if args.json:
             print(json.dumps(result))

@@ -9,8 +9,8 @@ import argparse
 import os
 import sys
 
-from .cli import (add_model_args, load_llm, policy_spec, print_resolved, read_jsonl_prompts,
-                  write_jsonl_atomic)
+from .cli import (add_model_args, check_prompts, cpu_threads, load_llm, policy_spec, print_resolved,
+                  read_jsonl_prompts, without_line, write_jsonl_atomic)
 from .errors import UserError, cli_errors
 from .generation import Sampling
 
@@ -25,7 +25,7 @@ def parse_args(argv=None):
     p.add_argument("--output", help="JSONL output (with --input): id, prompt, completion, tokens")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
-    p.add_argument("--temperature", type=float, default=None, help="sample with this temperature")
+    p.add_argument("--temperature", type=float, default=None, help="sample with this temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
@@ -39,20 +39,24 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    with cli_errors("flexevict.generate"):
+    with cli_errors("flexevict.generate"), cpu_threads(args.threads):
+        if args.prompt is not None and not args.prompt.strip():
+            raise UserError("--prompt is empty; give it some text")
         rows = read_jsonl_prompts(args.input) if args.input else [{"prompt": args.prompt}]
         if args.output and not os.access(os.path.dirname(os.path.abspath(args.output)), os.W_OK):
             raise UserError(f"{args.output}: output directory is not writable")
-        sampling = Sampling(greedy=args.temperature is None, temperature=args.temperature or 1.0,
+        sampling = Sampling(greedy=args.temperature is None,
+                            temperature=1.0 if args.temperature is None else args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         sampling.check()
         spec = policy_spec(args)
+        check_prompts(args, rows, args.max_new_tokens, args.input or "--prompt")
         llm = load_llm(args)
         outs = llm.generate([r["prompt"] for r in rows], args.max_new_tokens, sampling,
                             policy=spec, batch_size=args.batch_size, progress=len(rows) > 1)
         print_resolved(llm.resolved)
         if args.input:
-            write_jsonl_atomic(args.output, [{**r, "completion": o["completion"],
+            write_jsonl_atomic(args.output, [{**without_line(r), "completion": o["completion"],
                                               "tokens": o["tokens"]} for r, o in zip(rows, outs)])
             print(f"wrote {len(rows)} completions to {args.output}", file=sys.stderr)
         else:

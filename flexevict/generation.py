@@ -1,8 +1,9 @@
 """Prefill + decode over preallocated KV buffers, sampling, and teacher-forced scoring.
 
 Batches of different prompt lengths are left-padded: pad keys are masked everywhere and every
-sequence gets its own positions (counted over its real tokens), so a padded batch produces the
-same tokens as each prompt run alone.
+sequence gets its own positions (counted over its real tokens). A run resolves one budget, for
+its longest prompt; `plan_batches` groups only sequences that then get exactly the tokens they get
+alone (any lengths with `full`; see `Policy.batch_key` for evicting policies).
 """
 from __future__ import annotations
 
@@ -17,17 +18,22 @@ from .model import Transformer
 
 @dataclass(frozen=True)
 class Sampling:
-    """Greedy by default; otherwise temperature -> top-k -> top-p, seeded (HF's order)."""
+    """Greedy by default; otherwise temperature -> top-k -> top-p, seeded (HF's order).
+    Temperature 0 means greedy, as in vLLM and the OpenAI API."""
     greedy: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
 
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
     def check(self):
         if not self.greedy:
-            if self.temperature <= 0:
-                raise UserError(f"--temperature must be > 0 (got {self.temperature}); use --greedy")
+            if self.temperature < 0:
+                raise UserError(f"--temperature must be >= 0 (got {self.temperature}; 0 is greedy)")
             if not 0 < self.top_p <= 1:
                 raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})")
             if self.top_k < 0:
@@ -42,7 +48,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (B, V) fp32 -> tokens (B,)."""
         c = self.cfg
-        if c.greedy:
+        if c.is_greedy:
             return logits.argmax(dim=-1)
         logits = logits / c.temperature
         if c.top_k > 0:
@@ -93,6 +99,16 @@ def forward(model: Transformer, tokens, inp, bufs, policy) -> torch.Tensor:
     for j, buf in enumerate(bufs):
         h = model.layer(j, h, inp, buf, policy)
     return h
+
+
+def plan_batches(lengths: list[int], max_new_tokens: int, policy, batch_size: int) -> list[list[int]]:
+    """Indices of sequences grouped into batches of at most batch_size, shortest first, such
+    that each sequence's greedy tokens are the same as when it runs alone: only sequences with
+    equal `policy.batch_key` share a batch (with `full`, any lengths do)."""
+    groups: dict[tuple, list[int]] = {}
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        groups.setdefault(policy.batch_key(lengths[i], max_new_tokens), []).append(i)
+    return [g[a:a + batch_size] for g in groups.values() for a in range(0, len(g), batch_size)]
 
 
 def as_engine(model):

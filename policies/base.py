@@ -30,6 +30,7 @@ class Policy:
     prompt_scores = None            # or fold(acc, p, first, valid): the prompt statistic that
                                     # `prefill` gets instead of column sums (see model.py)
     needs_prompt_queries = False    # prefill also gets the prompt queries q=(S, rows, g, d)
+    batch_by_length = False         # decisions depend on the padded prompt length (batch_key)
 
     def __init__(self, budget: float | None = None, budget_tokens: int | None = None, **args):
         unknown = set(args) - set(self.args)
@@ -51,8 +52,9 @@ class Policy:
     def minimum_slots(self) -> int:
         return self.min_slots
 
-    def capacity(self, prompt_len: int, gen_len: int) -> int:
-        """Resolve the budget for this run; -> committed slots (slots - 1)."""
+    def slots_for(self, prompt_len: int, gen_len: int) -> int:
+        """The resolved slot count for one sequence of prompt_len + gen_len tokens (no state
+        changes): floor(budget * total), or budget_tokens, never more than total."""
         total = prompt_len + gen_len
         if self.budget_tokens is not None:
             slots = self.budget_tokens
@@ -63,10 +65,32 @@ class Policy:
         if slots < self.minimum_slots() and slots < total:   # holding everything is always fine
             raise UserError(f"budget of {slots} slots is below policy '{self.name}'s minimum of "
                             f"{self.minimum_slots()}; raise --budget or --budget-tokens")
-        self.slots = min(slots, total)
-        self.evicts = self.slots < total
+        return min(slots, total)
+
+    def capacity(self, prompt_len: int, gen_len: int) -> int:
+        """Resolve the budget for this run (prompt_len: the batch's padded length); ->
+        committed slots (slots - 1)."""
+        self.slots = self.slots_for(prompt_len, gen_len)
+        self.evicts = self.slots < prompt_len + gen_len
         self.split(self.slots - 1)
         return self.slots - 1
+
+    def batch_key(self, prompt_len: int, gen_len: int) -> tuple:
+        """Sequences with equal keys may share a padded batch and still get exactly the tokens
+        each gets alone (a run resolves one budget, for its longest prompt).
+
+        A sequence that never evicts batches with any other such; one whose prompt fits the
+        buffer is stored whole and fills free slots before evicting, so it batches only with
+        prompts of its own length (padding would make it compact instead); one whose prompt is
+        compacted batches with any other of the same slot count. A policy whose decisions
+        depend on the padded prompt length (`batch_by_length`) batches by length whenever it
+        evicts."""
+        slots = self.slots_for(prompt_len, gen_len)
+        if slots >= prompt_len + gen_len:
+            return ("keeps-all",)
+        if self.batch_by_length or prompt_len <= slots - 1:
+            return ("length", prompt_len, slots)
+        return ("compacts", slots)
 
     def split(self, capacity: int) -> None:
         """Divide the committed slots into regions (set attributes; printed by `describe`)."""

@@ -225,6 +225,7 @@ class Buzz(Policy):
 class BuzzLogN(Buzz):
     name = "buzz-logn"
     args = {**Buzz.args, "base": 512}
+    batch_by_length = True          # the scale reads the padded key count at prefill
 
     def logit_scale(self, n_keys: int) -> float:
         """log_base(n) (Sec. 3.5, eq. 7/8): exactly 1 at n = base (512, the pre-training length)."""

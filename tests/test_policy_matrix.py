@@ -114,3 +114,36 @@ def test_full_refuses_a_budget():
     with pytest.raises(UserError, match="keeps every token"):
         generate(model_for("opt"), rand_prompts([20], seed=6), 8, get_policy("full", budget=0.5),
                  Sampling(), (), 0)
+
+
+def _batched(m, ps, new, make, batch_size):
+    """Greedy tokens per prompt when the batcher groups them (generation.plan_batches)."""
+    out = [None] * len(ps)
+    for batch in gen.plan_batches([len(p) for p in ps], new, make(), batch_size):
+        for i, ids in zip(batch, generate(m, [ps[i] for i in batch], new, make(), Sampling(), (), 0)):
+            out[i] = ids
+    return out
+
+
+@pytest.mark.parametrize("budget", [dict(budget=0.5), dict(budget_tokens=24)],
+                         ids=["budget", "budget-tokens"])
+@pytest.mark.parametrize("name", EVICTING)
+def test_batched_output_never_depends_on_the_other_prompts(name, budget):
+    """Prompts shorter and longer than the slot count, padded together where the batcher allows:
+    each prompt's tokens equal its tokens alone (the new-user report: 31 of 60 agreed)."""
+    m, new = model_for("llama-gqa"), 32
+    ps = rand_prompts([8, 14, 20, 20, 23, 30, 37, 37, 44, 51], seed=7)
+    make = lambda: get_policy(name, **budget)  # noqa: E731
+    alone = [generate(m, [p], new, make(), Sampling(), (), 0)[0] for p in ps]
+    assert _batched(m, ps, new, make, batch_size=4) == alone
+    assert _batched(m, ps, new, make, batch_size=len(ps)) == alone
+
+
+def test_the_batcher_still_pads_prompts_that_compact_alike():
+    """Prompts longer than the buffer share one padded batch; `full` batches any lengths."""
+    lengths = [30, 37, 44, 51]
+    keys = {get_policy("h2o", budget_tokens=24).batch_key(n, 16) for n in lengths}
+    assert len(keys) == 1
+    assert gen.plan_batches([8, 51, 14], 16, get_policy("full"), 8) == [[0, 2, 1]]
+    assert gen.plan_batches([8, 51, 14], 16, get_policy("h2o", budget_tokens=24), 8) == \
+        [[0], [2], [1]]

@@ -1,0 +1,99 @@
+"""What a new user hit: temperature 0, prompts named by file/line/id before the model loads,
+duplicate ids, --threads on every CLI."""
+import json
+
+import pytest
+
+from flexevict.cli import read_jsonl_prompts
+from flexevict.errors import UserError
+from flexevict.generation import Sampling, generate
+from flexevict.policies import get_policy
+from test_cli import assert_user_error, run, tiny_dir  # noqa: F401 (fixture)
+from tiny import model_for, rand_prompts
+
+
+# ------------------------------------------------------------------ temperature 0 is greedy
+
+def test_temperature_zero_is_greedy():
+    m, ps = model_for("opt"), rand_prompts([6, 9], seed=11)
+    greedy = generate(m, ps, 12, get_policy("full"))
+    zero = generate(m, ps, 12, get_policy("full"), Sampling(greedy=False, temperature=0.0, seed=1))
+    hot = generate(m, ps, 12, get_policy("full"), Sampling(greedy=False, temperature=1.0, seed=1))
+    assert zero == greedy
+    assert hot != greedy          # the same seed at temperature 1 really samples
+    with pytest.raises(UserError, match="must be >= 0"):
+        generate(m, ps, 4, get_policy("full"), Sampling(greedy=False, temperature=-0.5))
+
+
+def test_cli_temperature_zero_matches_greedy(tiny_dir):  # noqa: F811
+    args = ["--model", tiny_dir, "--prompt", "hello there", "--max-new-tokens", "12", "--seed", "3"]
+    outs = {t: run("generate", *args, *(["--temperature", t] if t else []))
+            for t in (None, "0", "50")}
+    assert all(p.returncode == 0 for p in outs.values()), [p.stderr for p in outs.values()]
+    assert outs["0"].stdout == outs[None].stdout
+    assert outs["50"].stdout != outs[None].stdout      # a hot temperature samples
+
+
+# ------------------------------------------------------------------ prompts named up front
+
+def _write(tmp_path, rows):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("prompt,what", [("", "empty prompt"), ("  \n\t", "whitespace-only")])
+def test_empty_prompt_names_file_line_and_id(tmp_path, prompt, what):
+    path = _write(tmp_path, [{"id": "a", "prompt": "x"}, "", {"id": "b", "prompt": prompt}])
+    with pytest.raises(UserError, match=rf'in.jsonl:3 \(id "b"\): {what}'):
+        read_jsonl_prompts(path)
+
+
+def test_duplicate_ids_are_refused_with_both_lines(tmp_path):
+    path = _write(tmp_path, [{"id": 7, "prompt": "x"}, {"id": 8, "prompt": "y"},
+                             {"id": 7, "prompt": "z"}])
+    with pytest.raises(UserError, match=r"in.jsonl:3 \(id 7\): duplicate id, first used on line 1"):
+        read_jsonl_prompts(path)
+
+
+def test_too_long_prompt_is_named_before_the_model_loads(tmp_path, tiny_dir, monkeypatch):  # noqa: F811
+    """The tiny model has 64 positions: line 3 is too long; the weights are never read."""
+    from flexevict import generate as cli
+    from flexevict.api import LLM
+    path = _write(tmp_path, [{"id": 1, "prompt": "ab"}, {"id": 2, "prompt": "cd"},
+                             {"id": "long", "prompt": "x" * 80}])
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("model loaded"))
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--model", tiny_dir, "--input", path, "--output", str(out)])
+    assert exit_.value.code == 2
+    assert not out.exists()
+
+
+def test_too_long_prompt_cli_message(tmp_path, tiny_dir):  # noqa: F811
+    path = _write(tmp_path, [{"id": 1, "prompt": "ab"}, {"id": "long", "prompt": "x" * 80}])
+    proc = run("generate", "--model", tiny_dir, "--input", path, "--output",
+               str(tmp_path / "o.jsonl"), "--max-new-tokens", "4")
+    assert_user_error(proc, 'in.jsonl:2 (id "long")', "maximum of 64 positions")
+    proc = run("generate", "--model", tiny_dir, "--prompt", "   ")
+    assert_user_error(proc, "--prompt is empty")
+
+
+def test_output_rows_are_the_input_rows(tmp_path, tiny_dir):  # noqa: F811
+    path = _write(tmp_path, [{"id": 1, "prompt": "ab", "extra": [1]}])
+    out = tmp_path / "out.jsonl"
+    proc = run("generate", "--model", tiny_dir, "--input", path, "--output", str(out),
+               "--max-new-tokens", "3", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(out.read_text())
+    assert set(row) == {"id", "prompt", "extra", "completion", "tokens"}
+
+
+# ------------------------------------------------------------------ --threads everywhere
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "hi"], ["eval", "ppl", "--text", "x"],
+                                  ["eval", "agreement", "--input", "x"],
+                                  ["eval", "passkey"], ["bench"]])
+def test_every_cli_takes_threads(argv, tiny_dir):  # noqa: F811
+    proc = run(*argv[:1], *argv[1:], "--model", tiny_dir, "--threads", "0")
+    assert_user_error(proc, "--threads must be >= 1")
