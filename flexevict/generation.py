@@ -14,6 +14,7 @@ import torch
 from .errors import UserError
 from .kv import KVBuffer, zeros
 from .model import Transformer
+from .progress import Progress
 
 
 @dataclass(frozen=True)
@@ -150,14 +151,14 @@ def _cut_at_stop(row: list[int], stop_ids) -> list[int]:
 
 
 def token_nll(model, ids: list[int], policy, prefill_tokens: int | None = None,
-              chunk: int = 256) -> torch.Tensor:
+              chunk: int = 256, progress: bool = False) -> torch.Tensor:
     """Teacher-forced NLL of ids[1:] given their prefixes -> (N-1,) fp32 (one document of
     `stream_nll`)."""
-    return stream_nll(model, [ids], policy, prefill_tokens, chunk)[0]
+    return stream_nll(model, [ids], policy, prefill_tokens, chunk, progress)[0]
 
 
 def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None = None,
-               chunk: int = 256) -> torch.Tensor:
+               chunk: int = 256, progress: bool = False) -> torch.Tensor:
     """Teacher-forced NLL of B equal-length documents in one batch -> (B, N-1) fp32 nats.
 
     A prefill of `prefill_tokens` tokens (default: the policy's slot count with eviction, else
@@ -189,7 +190,9 @@ def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None 
             nll[k].append(_nll(head, h, t[:, p0 + i]).unsqueeze(1))
         return t[:, p0 + i]
 
-    engine.run([d[:p0] for d in docs], n - p0, policy, consume)
+    with Progress(n - p0, "scoring", "step", "tokens", enabled=progress) as bar:
+        engine.run([d[:p0] for d in docs], n - p0, policy, consume,
+                   until=lambda: bar.update(1, len(docs) * (p0 if bar.done == 0 else 1)))
     return torch.cat([torch.cat(nll[k], dim=1) for k in sorted(nll)])
 
 

@@ -22,6 +22,7 @@ import torch
 
 from .errors import UserError
 from .policies import POLICIES, PolicySpec
+from .progress import Progress
 
 DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.4, 0.6, 1.0)
 QUICK_BUDGETS = (0.2,)           # `full`, the reference, always runs (at 1.0)
@@ -110,11 +111,9 @@ def run_sweep(llm, model: str, tasks: list, policies: list[str], budgets: list[f
     todo = [c for c in cells if cell_key(model, *c) not in data["cells"]]
     print(f"sweep: {len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run"
           f" -> {path}", file=sys.stderr)
-    from tqdm import tqdm
-    bar = tqdm(todo, desc="sweep", unit="cell", file=sys.stderr, disable=not progress)
+    bar = Progress(len(todo), "sweep", "cell", enabled=progress)
     t_start = time.perf_counter()
-    for task, name, budget in bar:
-        bar.set_postfix_str(f"{task.name} {name} {budget:g}")
+    for task, name, budget in todo:
         t0 = time.perf_counter()
         spec = policy_at(name, budget)
         why = task.slots_check(spec)      # a budget below the policy's minimum: a skipped cell
@@ -125,6 +124,8 @@ def run_sweep(llm, model: str, tasks: list, policies: list[str], budgets: list[f
             "seconds": round(time.perf_counter() - t0, 2),
             "finished": datetime.datetime.now().isoformat(timespec="seconds")}
         save_results(path, data)
+        bar.update(1)
+    bar.close()
     seconds = round(time.perf_counter() - t_start, 1)
     if todo:
         data["runs"].append({"cells": len(todo), "seconds": seconds,

