@@ -7,25 +7,42 @@ the case's own), peers side by side in the same run.
     python bench/suites.py h2o-policies     # buzz, cascade, hashevict, vatp at 20%, OPT-6.7B 2048+2048
     python bench/suites.py bound            # weights streamed from CPU vs the PCIe bound
     python bench/suites.py --list
+    python bench/suites.py gpu --dry-run    # the first GPU run: three device calls (README)
+    python bench/suites.py gpu --call N --out DIR
 
 Results: bench/results/<suite>/<case>_<device>.json and a summary <suite>_<device>.md/.json.
 FlexGen runs from its own environment outside this tree: set FLEXGEN_PYTHON to its python
 (see bench/peers/README.md). Cases whose setting cannot fit this machine record the engine's
-one-line memory error instead of numbers.
+one-line memory error instead of numbers, and their peer is not run (it would only meet the
+same wall, as a 150+ GB host allocation and an OOM kill). `--case NAME` (repeatable) runs those
+cases, `--cut-gen-len N` overrides their cut, `--json FILE` writes the summary there too.
 """
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import glob
 import json
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
+# the GPU plan starts before the package is installed: then it is imported from the source tree
+sys.path.append(ROOT)
+
+from flexevict.bench.report import git_commit  # noqa: E402
+from flexevict.errors import UserError, cli_errors  # noqa: E402
 
 # FlexGen's README table (T4 16 GB, prompt 512, gen 32): percents and batch sizes as published
 FLEXGEN = {
@@ -98,8 +115,12 @@ def suite_h2o():
     long = ["--ignore-max-positions"]
     for bs, pols in ((24, (("full",), ("h2o", 0.2))), (64, (("full",), ("h2o", 0.2)))):
         for pol in pols:
+            # full's step grows with the context: projecting 2047 steps from 64 misses the
+            # curve, so batch 24 (the one that fits) runs uncut (~1.5 min on an H100); a
+            # budgeted policy's step is flat and projects well
+            cut = None if (bs, pol[0]) == (24, "full") else 64
             cases.append(case(f"opt-6.7b-2048+2048-bs{bs}-{pol[0]}", "opt-6.7b", 2048, 2048,
-                              "100 0 100 0 100 0", bs, 1, long, policy=pol, cut=64))
+                              "100 0 100 0 100 0", bs, 1, long, policy=pol, cut=cut))
     return cases
 
 
@@ -137,6 +158,26 @@ def run_engine(c: dict, out: str) -> dict:
         return json.load(f)
 
 
+PEER_SKIPPED = "peer skipped: engine case does not fit"
+MEMORY_ERRORS = ("out of GPU memory", "out of CPU memory", "not enough disk")   # memory.py's
+
+
+def does_not_fit(engine: dict) -> bool:
+    """The engine's case failed its memory preflight (or ran out of memory)."""
+    return any(m in engine.get("error", "") for m in MEMORY_ERRORS)
+
+
+def run_case(c: dict, base: str) -> dict:
+    """The engine, then its peer at the same setting unless the engine's case cannot fit."""
+    engine = run_engine(c, base + ".json")
+    if c["peer"] and does_not_fit(engine):
+        peer = {"skipped": PEER_SKIPPED}
+    else:
+        peer = run_peer(c, base + ".peer.json")
+    return {"case": c["name"], "command": "python -m flexevict.bench " + " ".join(c["argv"]),
+            "engine": engine, "peer": peer}
+
+
 def run_peer(c: dict, out: str) -> dict | None:
     peer = c["peer"]
     if not peer:
@@ -160,7 +201,8 @@ def summarize(name: str, rows: list[dict]) -> str:
     for r in rows:
         e, p = r["engine"], r.get("peer") or {}
         if "error" in e:
-            lines.append(f"| {r['case']} | | | error: {e['error']} | | | | | | | | |")
+            note = p.get("skipped", p.get("error", ""))
+            lines.append(f"| {r['case']} | | | error: {e['error']} | | | | | | {note} | | |")
             continue
         share = e.get("eviction_share_of_decode")
         ratio = (e["total_throughput"] / p["total_throughput"]
@@ -194,7 +236,7 @@ def h2d_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
 
 def bound_table(rows: list[dict], bandwidth: float | None) -> str:
     """Per decode step: bytes moved host-to-device / bandwidth vs the measured step time."""
-    lines = [f"host-to-device bandwidth (pinned): "
+    lines = ["host-to-device bandwidth (pinned): "
              + ("n/a (no CUDA)" if bandwidth is None else f"{bandwidth / 1e9:.2f} GB/s"), "",
              "| case | GB per decode step | bound ms | measured ms (median step) | bound / measured |",
              "|---|---|---|---|---|"]
@@ -211,42 +253,355 @@ def bound_table(rows: list[dict], bandwidth: float | None) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- the first GPU run
+#
+# Three device calls, one command each (bench/README.md, "First GPU run"):
+#     FLEXEVICT_COMMIT=<sha> python3 bench/suites.py gpu --call N --out $OUT
+# Each starts on a fresh machine (one H100 80 GB, 16 cores, 128 GB RAM, no network; Python 3.12,
+# torch 2.11.0+cu130, nvcc, ninja, transformers; no gguf, no flexgen: their wheels travel in
+# bench/wheels/) with the working tree copied in (no .git: the commit comes in the environment),
+# must end within 9 minutes and may send back at most 8 files. Every step's output goes to one
+# log; a failed step is recorded and the call goes on; no step starts or runs past DEADLINE_S.
+#
+# Estimates (minutes on that H100), from FlexGen/H2O-scale arithmetic. OPT-6.7B in fp16 is
+# 13.4 GB; its KV cache is 0.5 MB per token per sequence (2 x 32 layers x 4096 x 2 bytes), so
+# batch 24 at 2048 + 2048 tokens holds 51.5 GB at the end. A decode step reads the weights and
+# the live cache once: at ~3 TB/s that is 15-25 ms; with kernel launch overheads 30-60 ms for
+# `full` at batch 24, so 2047 steps take 1-2 minutes; a 20% budget (819 slots) reads ~10 GB, ~25
+# ms. Prefill of 24 x 2048 tokens is ~0.7 PFLOP: ~1-2 s. Every case is its own process: python
+# and torch start, 13.4 GB of dummy weights made on the GPU, the warm-up (64 + 8 tokens): ~20-30
+# s before its clock starts.
+
+WHEELS = os.path.join(HERE, "wheels")
+WHEEL_GLOBS = {"gguf": "gguf-*.whl", "flexgen": "flexgen-0.1.8-*.whl"}
+DOWNLOAD = "pip download --no-deps gguf==0.19.0 flexgen==0.1.8 -d bench/wheels"
+SO_GLOB = "_C.*.so"                        # the built extension, flexevict/_C.<abi>.so
+KNOWN_SO = "bench/wheels/" + SO_GLOB        # where calls 2 and 3 look for call 1's kernels
+SCRATCH = os.path.join(tempfile.gettempdir(), "flexevict-gpu")   # per-case files stay here
+FLEXGEN_SITE = os.path.join(tempfile.gettempdir(), "flexgen-site")
+CALL_LIMIT_MIN = 9.0
+DEADLINE_S = 8.5 * 60               # python start and the last writes fit in the rest
+MAX_FILES = 8                       # what the device tool sends back per call
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    cmd: str                        # a bash command line, run in the repository root
+    minutes: float                  # estimated wall time on the H100
+    outputs: tuple = ()             # files it writes into the call's folder (names, or globs)
+    ok: tuple = (0,)                # exit codes that mean it worked
+    fallback_min: float = 0.0       # more minutes when its fallback path runs
+
+
+class _Parts:
+    """What the three calls share: the python, the folders, the install and kernel steps."""
+
+    def __init__(self, call: int, out: str, py: str, so: str | None):
+        self.py, self.o = _q(py), _q(out)
+        self.res = _q(os.path.join(SCRATCH, f"call{call}"))
+        self.install = Step(          # FLEXEVICT_KERNELS=0: setup.py skips the extension; ~15 s
+            "install", f"FLEXEVICT_KERNELS=0 {self.py} -m pip install -q --no-deps "
+            f"--no-build-isolation --no-index -e . bench/wheels/{WHEEL_GLOBS['gguf']}", 0.5)
+        self.load = f"{self.py} -m flexevict.bench.kernels --load"   # prints where from, time
+        # without call 1's .so the kernels are built just in time, for this GPU only: ~1.5 min
+        self.kernels = Step(
+            "place kernels", f"(cp {_q(so) if so else KNOWN_SO} flexevict/ 2>/dev/null || echo "
+            f"'no kernels carried from call 1: building them now') && {self.load}", 0.2,
+            fallback_min=1.3)
+
+    def suite(self, name, cases, file, minutes, cut=None, env="") -> Step:
+        """Some cases of a suite; per-case files in the scratch folder, the summary in DIR."""
+        picks = " ".join(f"--case {_q(c)}" for c in cases)
+        cut = f" --cut-gen-len {cut}" if cut else ""
+        return Step(f"{name} suite -> {file}",
+                    f"{env}{self.py} bench/suites.py {name} {picks}{cut} --out {self.res} "
+                    f"--json {self.o}/{file}", minutes, (file,))
+
+
+def _q(path: str) -> str:
+    return path if path.startswith("$") else shlex.quote(path)      # "$OUT" stays a variable
+
+
+BS24 = "opt-6.7b-2048+2048-bs24-"
+
+
+def _call1(p: _Parts) -> list[Step]:
+    return [
+        p.install,
+        # flexevict._C ahead of time for sm_75/80/90: 4 .cu files (one nvcc per file, every
+        # arch in it) and the binding against torch's headers (~1 min alone), in parallel under
+        # ninja; the longest unit bounds it (~1.5 min), plus setup.py's own start
+        Step("build kernels", f"{p.py} setup.py -q build_ext --inplace && "
+             f"cp flexevict/{SO_GLOB} {p.o}/ && {p.load}", 2.5, (SO_GLOB,)),
+        # ~200 small-shape kernel-vs-reference tests serialised by CUDA_LAUNCH_BLOCKING, and 24
+        # greedy end-to-end runs of tiny models with kernels on and off
+        Step("kernel tests", f"CUDA_LAUNCH_BLOCKING=1 {p.py} -m pytest tests/test_kernels.py -q "
+             f"-rs -p no:cacheprovider --junitxml={p.o}/call1-kernel-tests.xml", 1.5,
+             ("call1-kernel-tests.xml",)),
+        # 3 shapes x 11 ops x 2 paths x (1 + 2 + 5 loops) x 20 launches of 0.01-1 ms, and
+        # prefill attention 4 launches of ~10-30 ms; inputs of a few GB made on the GPU
+        Step("kernel benchmark", f"{p.py} -m flexevict.bench.kernels --json "
+             f"{p.o}/call1-kernels.json", 1.0, ("call1-kernels.json",)),
+        # h2o 20% vs full, both cut at 256 steps (255 x 25 / 35 ms: ~10 s each) after ~30 s of
+        # start, weights and warm-up each; call 2 runs full uncut
+        p.suite("h2o", [BS24 + "h2o", BS24 + "full"], "call1-h2o-bs24.json", 1.2, cut=256),
+    ]
+
+
+def _call2(p: _Parts) -> list[Step]:
+    return [
+        p.install, p.kernels,
+        # 2047 steps at 30-60 ms (the cache read grows from 26 to 51 GB a step), and the start
+        p.suite("h2o", [BS24 + "full"], "call2-full-uncut.json", 2.5),
+        Step("flexgen install", f"{p.py} -m pip install -q --no-deps --no-index --target "
+             f"{FLEXGEN_SITE} bench/wheels/{WHEEL_GLOBS['flexgen']}", 0.1),
+        # flexevict ~0.5; FlexGen makes its all-ones weights as host arrays and copies them
+        # (13.4 GB, ~1 min), warms up and runs 512 + 32 at batch 2 (~10 s)
+        p.suite("flexgen", ["opt-6.7b"], "call2-flexgen.json", 2.0,
+                env=f"FLEXGEN_PYTHON={p.py} PYTHONPATH={FLEXGEN_SITE} "),
+        # per case: 13.4 GB of weights into pinned host memory (~20 s), then 8 warm-up and 16
+        # timed steps that each stream them over PCIe (~0.3-0.5 s); and the bandwidth probe
+        p.suite("bound", ["opt-6.7b-weights-cpu-bs8", "opt-6.7b-weights-cpu-bs32"],
+                "call2-bound.json", 1.5),
+    ]
+
+
+def _call3(p: _Parts) -> list[Step]:
+    policies = [BS24 + name for name in ("buzz", "cascade", "hashevict", "vatp")]
+    return [
+        p.install, p.kernels,
+        # every test that skips without CUDA outside test_kernels.py (call 1 ran it): the plugin
+        # keeps the tests marked skipif(..., reason="needs (a) CUDA ..."). Collecting the folder
+        # imports transformers (~20 s), then a dozen engine runs of small models on the GPU;
+        # exit code 5 means none was selected
+        Step("GPU tests", f"{p.py} -m pytest -p flexevict.bench.gpu_tests tests "
+             "--ignore=tests/test_kernels.py --continue-on-collection-errors -q -rs "
+             f"-p no:cacheprovider --junitxml={p.o}/call3-gpu-tests.xml", 1.5,
+             ("call3-gpu-tests.xml",), ok=(0, 5)),
+        # batch 64: h2o 20% fits (27.5 GB of cache; prefill ~3 s, 63 steps x 40 ms), full (137
+        # GB of cache) fails its preflight in seconds
+        p.suite("h2o", ["opt-6.7b-2048+2048-bs64-h2o", "opt-6.7b-2048+2048-bs64-full"],
+                "call3-h2o-bs64.json", 1.0),
+        # the other seed policies at 20%, batch 24, cut 64 (flat steps project well): ~0.6 each
+        p.suite("h2o-policies", policies, "call3-policies.json", 3.0),
+    ]
+
+
+GPU_CALLS = {1: _call1, 2: _call2, 3: _call3}
+
+
+def call_files(call: int, steps: list[Step]) -> list[str]:
+    """The files a call sends back: its log, its record, and every step's outputs."""
+    return [f"call{call}-log.txt", f"call{call}-plan.json", *(f for s in steps for f in s.outputs)]
+
+
+def gpu_plan(call: int, out: str, py: str = "python3", so: str | None = None) -> list[Step]:
+    """The steps of device call 1, 2 or 3, writing into the folder `out`."""
+    steps = GPU_CALLS[call](_Parts(call, out, py, so))
+    files = call_files(call, steps)
+    assert len(files) <= MAX_FILES and len(set(files)) == len(files), files
+    return steps
+
+
+
+
+def wheels_needed(call: int) -> list[str]:
+    return ["gguf", "flexgen"] if call == 2 else ["gguf"]
+
+
+def missing_wheels(call: int) -> list[str]:
+    """One line per wheel this call needs that bench/wheels/ lacks (or holds twice)."""
+    lines = []
+    for name in wheels_needed(call):
+        found = glob.glob(os.path.join(WHEELS, WHEEL_GLOBS[name]))
+        if len(found) != 1:
+            lines.append(f"bench/wheels/ holds {len(found)} {WHEEL_GLOBS[name]} (needs one): "
+                         f"run `{DOWNLOAD}` on a machine with network before the call "
+                         "(bench/README.md, First GPU run)")
+    return lines
+
+
+def describe_plan(calls, so: str | None = None) -> str:
+    """Every command of every call with its estimate, and each call's total."""
+    commit = git_commit()
+    lines = []
+    for call in calls:
+        steps = gpu_plan(call, "$OUT", so=so)
+        total = sum(s.minutes for s in steps)
+        worst = total + sum(s.fallback_min for s in steps)
+        lines.append(f"call {call}: FLEXEVICT_COMMIT={commit} python3 bench/suites.py gpu "
+                     f"--call {call} --out $OUT")
+        lines += [f"  {s.minutes:4.1f} min  {s.name}: {s.cmd}" for s in steps]
+        more = f" ({worst:.1f} if call 1's kernels are not carried)" if worst > total else ""
+        files = call_files(call, steps)
+        lines.append(f"  total {total:.1f} min{more}, limit {CALL_LIMIT_MIN:g}; "
+                     f"{len(files)} files back: {', '.join(files)}")
+        lines += [f"  MISSING: {m}" for m in missing_wheels(call)]
+    return "\n".join(lines)
+
+
+def run_shell(step: Step, log, env: dict, timeout: float) -> int:
+    """Run step.cmd with bash in the repository root, its output appended to `log` -> exit
+    code; 124 when it runs past `timeout` (its whole process group is killed)."""
+    proc = subprocess.Popen(["bash", "-o", "pipefail", "-c", step.cmd], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return 124
+
+
+def run_call(call: int, out: str, so: str | None = None) -> int:
+    """Run device call `call` into `out` -> 0 when every step worked, else 1."""
+    missing = missing_wheels(call)
+    if missing:
+        raise UserError(missing[0])
+    if so is not None and not re.fullmatch(r"_C\..*\.so", os.path.basename(so)):
+        raise UserError(f"--so {so}: expected the _C.*.so that call 1 wrote")
+    if so is not None and not os.path.isfile(so):
+        raise UserError(f"--so {so}: no such file")
+    os.makedirs(out, exist_ok=True)
+    steps = gpu_plan(call, os.path.abspath(out), sys.executable, so and os.path.abspath(so))
+    commit = git_commit()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", FLEXEVICT_COMMIT=commit)
+    # no device name here: CUDA stays untouched in this process (each case's JSON names it)
+    record = {"call": call, "commit": commit, "steps": []}
+    plan_json = os.path.join(out, f"call{call}-plan.json")
+    start = time.monotonic()
+    with open(os.path.join(out, f"call{call}-log.txt"), "a") as log:
+        for step in steps:
+            r = run_step(step, log, env, DEADLINE_S - (time.monotonic() - start))
+            record["steps"].append(r)
+            print(f"[call {call}] {step.name}: {r['status']} ({r.get('seconds', 0):.0f} s, "
+                  f"est. {60 * step.minutes:.0f} s)", flush=True)
+            with open(plan_json, "w") as f:
+                json.dump(record, f, indent=1)
+    moved = enforce_file_limit(out, set(call_files(call, steps)))
+    if moved:
+        print(f"[call {call}] moved {len(moved)} stray file(s) to {SCRATCH}: {', '.join(moved)}")
+    return 0 if all(r["status"] == "ok" for r in record["steps"]) else 1
+
+
+def run_step(step: Step, log, env: dict, left_s: float) -> dict:
+    """One step under what is left of the call's time -> its record."""
+    entry = {"name": step.name, "cmd": step.cmd, "estimate_min": step.minutes}
+    if left_s < 15:
+        return {**entry, "status": "skipped: the call's 9 minutes are used up"}
+    log.write(f"\n===== {step.name} (est. {step.minutes} min, at most {left_s:.0f} s)\n"
+              f"$ {step.cmd}\n")
+    log.flush()
+    t0 = time.monotonic()
+    rc = run_shell(step, log, env, timeout=left_s)
+    seconds = time.monotonic() - t0
+    status = "ok" if rc in step.ok else "timed out" if rc == 124 else f"failed (exit {rc})"
+    log.write(f"===== {step.name}: {status} in {seconds:.0f} s\n")
+    log.flush()
+    return {**entry, "rc": rc, "seconds": seconds, "status": status}
+
+
+def enforce_file_limit(out: str, keep: set) -> list[str]:
+    """Move every file under `out` that the plan did not declare to SCRATCH (the device tool
+    sends back at most MAX_FILES files) -> the moved names."""
+    stray = os.path.join(SCRATCH, "stray")
+    moved = []
+    for folder, _, files in os.walk(out):
+        for name in files:
+            rel = os.path.relpath(os.path.join(folder, name), out)
+            if not any(fnmatch.fnmatchcase(rel, k) for k in keep):
+                os.makedirs(stray, exist_ok=True)
+                os.replace(os.path.join(folder, name),
+                           os.path.join(stray, rel.replace(os.sep, "_")))
+                moved.append(rel)
+    return moved
+
+
+def gpu_main(args) -> None:
+    if args.dry_run:
+        print(describe_plan([args.call] if args.call else GPU_CALLS, args.so))
+        return
+    if not args.call or not args.out:
+        raise UserError("gpu: give --call N and --out DIR (or --dry-run to see the plan)")
+    sys.exit(run_call(args.call, args.out, args.so))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("suite", nargs="?", choices=list(SUITES))
+    ap.add_argument("suite", nargs="?", choices=[*SUITES, "gpu"])
     ap.add_argument("--list", action="store_true", help="print the cases and their commands")
     ap.add_argument("--only", default=None, help="run the cases whose name contains this")
-    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--case", action="append", default=[], metavar="NAME",
+                    help="run this case (exact name; repeatable)")
+    ap.add_argument("--cut-gen-len", type=int, default=None, metavar="N",
+                    help="run N decode steps of every selected case and project the rest")
+    ap.add_argument("--out", default=None, help=f"results folder (default {RESULTS})")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the summary here")
+    ap.add_argument("--call", type=int, choices=sorted(GPU_CALLS), help="gpu: which device call")
+    ap.add_argument("--dry-run", action="store_true", help="gpu: print the plan, run nothing")
+    ap.add_argument("--so", default=None, metavar="PATH",
+                    help=f"gpu calls 2, 3: call 1's built kernels (default: {KNOWN_SO})")
     args = ap.parse_args(argv)
-    names = [args.suite] if args.suite else list(SUITES)
-    if args.list or not args.suite:
-        for n in names:
-            for c in SUITES[n]():
-                print(f"{n}/{c['name']}: python -m flexevict.bench {' '.join(c['argv'])}"
-                      + (f"   [peer: {c['peer']['kind']}]" if c["peer"] else ""))
-        return
+    with cli_errors("bench/suites.py"):
+        if args.suite == "gpu":
+            return gpu_main(args)
+        if args.list or not args.suite:
+            for n in ([args.suite] if args.suite else list(SUITES)):
+                for c in SUITES[n]():
+                    print(f"{n}/{c['name']}: python -m flexevict.bench {' '.join(c['argv'])}"
+                          + (f"   [peer: {c['peer']['kind']}]" if c["peer"] else ""))
+            return
+        run_suite(args.suite, select(args), args.out or RESULTS, args.json)
+
+
+def select(args) -> list[dict]:
+    """The suite's cases that --only / --case pick, with --cut-gen-len applied."""
+    cases = SUITES[args.suite]()
+    unknown = set(args.case) - {c["name"] for c in cases}
+    if unknown:
+        raise UserError(f"--case {', '.join(sorted(unknown))}: not in suite '{args.suite}' "
+                        f"(see `python bench/suites.py {args.suite} --list`)")
+    cases = [c for c in cases if (not args.only or args.only in c["name"])
+             and (not args.case or c["name"] in args.case)]
+    if args.cut_gen_len is not None:
+        if args.cut_gen_len < 1:
+            raise UserError(f"--cut-gen-len {args.cut_gen_len}: must be >= 1")
+        for c in cases:
+            argv = c["argv"]
+            if "--cut-gen-len" in argv:
+                i = argv.index("--cut-gen-len")
+                del argv[i:i + 2]
+            argv += ["--cut-gen-len", str(args.cut_gen_len)]
+    return cases
+
+
+def run_suite(suite: str, cases: list[dict], out: str, summary_json: str | None = None):
+    """Run the cases one process each -> rows; writes the per-case JSONs under out/suite, the
+    table out/suite_device.md, the summary out/suite_device.json (and summary_json)."""
     dev = device_label()
-    folder = os.path.join(args.out, args.suite)
+    folder = os.path.join(out, suite)
     os.makedirs(folder, exist_ok=True)
     rows = []
-    for c in SUITES[args.suite]():
-        if args.only and args.only not in c["name"]:
-            continue
-        print(f"[{args.suite}] {c['name']}", file=sys.stderr, flush=True)
-        base = os.path.join(folder, f"{c['name']}_{dev}")
-        rows.append({"case": c["name"], "command": "python -m flexevict.bench " + " ".join(c["argv"]),
-                     "engine": run_engine(c, base + ".json"),
-                     "peer": run_peer(c, base + ".peer.json")})
-        print(summarize(args.suite, rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
-    table = summarize(f"{args.suite} on {dev}", rows)
-    if args.suite == "bound":
-        table += "\n\n" + bound_table(rows, h2d_bandwidth())
-    with open(os.path.join(args.out, f"{args.suite}_{dev}.md"), "w") as f:
+    for c in cases:
+        print(f"[{suite}] {c['name']}", file=sys.stderr, flush=True)
+        rows.append(run_case(c, os.path.join(folder, f"{c['name']}_{dev}")))
+        print(summarize(suite, rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    table = summarize(f"{suite} on {dev}", rows)
+    summary = {"suite": suite, "device": dev, "cases": rows}
+    if suite == "bound":
+        bandwidth = h2d_bandwidth()
+        table += "\n\n" + bound_table(rows, bandwidth)
+        summary["h2d_bandwidth"] = bandwidth
+    summary["table"] = table
+    with open(os.path.join(out, f"{suite}_{dev}.md"), "w") as f:
         f.write(table + "\n")
-    with open(os.path.join(args.out, f"{args.suite}_{dev}.json"), "w") as f:
-        json.dump({"suite": args.suite, "device": dev, "cases": rows}, f, indent=1)
+    for path in filter(None, (os.path.join(out, f"{suite}_{dev}.json"), summary_json)):
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=1)
     print(table)
+    return rows
 
 
 def _packaged_smollm2():

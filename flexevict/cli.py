@@ -65,15 +65,16 @@ def str2bool(v: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got '{v}'")
 
 
-def add_placement_args(p: argparse.ArgumentParser):
-    """FlexGen's placement flags (same names and defaults)."""
+def add_placement_args(p: argparse.ArgumentParser, gpu_batch_size: int = 0):
+    """FlexGen's placement flags (same names and defaults; `bench` fixes a GPU batch size)."""
     g = p.add_argument_group("placement (FlexGen semantics; 'GPU' is the compute device)")
     g.add_argument("--percent", nargs=6, type=int, default=[100, 0, 100, 0, 100, 0],
                    metavar=("W_GPU", "W_CPU", "CACHE_GPU", "CACHE_CPU", "ACT_GPU", "ACT_CPU"),
                    help="weights, KV cache and activations on GPU and CPU, in percent; the "
                         "rest of each is on disk (default 100 0 100 0 100 0)")
-    g.add_argument("--gpu-batch-size", type=int, default=0,
-                   help="sequences per GPU batch (default: the batch split over the GPU batches)")
+    g.add_argument("--gpu-batch-size", type=int, default=gpu_batch_size,
+                   help=f"sequences per GPU batch (default {gpu_batch_size})" if gpu_batch_size
+                   else "sequences per GPU batch (default: the batch split over the GPU batches)")
     g.add_argument("--num-gpu-batches", type=int, default=1,
                    help="GPU batches that share each loaded layer's weights (default 1)")
     for name, default, what in (("overlap", True, "overlap I/O with compute"),
@@ -90,12 +91,18 @@ def add_placement_args(p: argparse.ArgumentParser):
 
 
 def placement_from_args(args):
+    """The placement the flags describe; an unwritable --offload-dir is reported now, before
+    any weight is read."""
+    from . import rundir
     from .placement import Placement
-    return Placement.from_percent(
+    placement = Placement.from_percent(
         args.percent, gpu_batch_size=args.gpu_batch_size, num_gpu_batches=args.num_gpu_batches,
         overlap=args.overlap, sep_layer=args.sep_layer, pin_weight=args.pin_weight,
         cpu_cache_compute=args.cpu_cache_compute, compress_weight=args.compress_weight,
         compress_cache=args.compress_cache, offload_dir=args.offload_dir)
+    if placement.uses_disk:
+        rundir.check_writable(placement.offload_dir)
+    return placement
 
 
 def add_policy_args(p: argparse.ArgumentParser):

@@ -5,6 +5,8 @@ The grid is (token step i, schedule layer s, GPU batch k). For each step and lay
 weights are loaded once and reused by every GPU batch; while batch k computes, the next layer's
 weights and the next batch's cache are loaded and the previous batch's cache is stored on their
 own lanes (CUDA streams or copy threads, see offload.py), each wait tied to the buffer it needs.
+A load of a home waits for every earlier store to that home (stores are ordered per home on
+their lane, and the load waits on the latest), and a token step ends once all its stores have.
 
 A schedule layer is the embedding, a transformer block (or, with `sep_layer`, its attention and
 its MLP half as two layers), or the head. KV buffers are the policies' fixed-budget buffers:
@@ -90,8 +92,10 @@ class Engine:
         compute = tiers.compute
         disk = any(h.tier == "disk" for hs in homes for h in hs.values()) or \
             placement.cache_gpu + placement.cache_cpu < 100
-        self.lanes = {"weights": Lane("load-weights", compute, 4 if disk else 1),
-                      "load_cache": Lane("load-cache", compute, 4 if disk else 1),
+        # one load of each kind is in flight at a time (its lane is a queue); stores to
+        # different homes overlap on the store lane's threads (keyed by home: see Lane)
+        self.lanes = {"weights": Lane("load-weights", compute, threaded=disk),
+                      "load_cache": Lane("load-cache", compute, threaded=disk),
                       "store_cache": Lane("store-cache", compute, 4 if disk else 2,
                                           threaded=True)}
         self.traffic = Traffic()
@@ -117,6 +121,8 @@ class Engine:
         model = Transformer(config, [], {}, device=torch.device(device), dtype=dtype)
         pack = onednn_usable(device, dtype)
         staging = device if placement.w_gpu == 100 else "cpu"
+        if hasattr(source, "generating_on"):     # dummy weights: made on the compute device
+            source = source.generating_on(device)   # (same numbers, much faster), then staged
         outer = load_outer_weights(config, source, staging, dtype)
         homes = []
         for s in stages_for(config.num_layers, placement.sep_layer):
@@ -181,9 +187,17 @@ class Engine:
             G.check_length(self.config, max(len(x) for x in prompts), plan_steps or steps)
         sizes = self.placement.batch_split(len(prompts))
         capacity = policy.capacity(tokens.shape[1], plan_steps or steps)
+        with self.tiers.run_scope():          # the next run reuses this run's pinned KV homes
+            stats = self._run(tokens, valid, pos, sizes, capacity, steps, policy, consume, until)
+        self.last_run = stats
+        return stats
+
+    def _run(self, tokens, valid, pos, sizes, capacity, steps, policy, consume, until):
+        """run's body: tokens, valid, pos (B, S) from left_pad; sizes: the GPU batches."""
         timed = TimedPolicy(policy, self.tiers.compute)
         cache = self._allocate_cache(capacity, sizes)
-        self._pool, self._stored = [None] * POOL, [DONE] * POOL
+        self._pool, self._stored = [None] * POOL, [DONE] * POOL   # pool slot -> its last store
+        self._home_stored, self._step_stores = {}, []   # home -> its latest store; this step's
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
         batches = [slice(a, a + b) for a, b in zip(starts, sizes)]
         inputs = [self._step_input(pos[b], valid[b]) for b in batches]
@@ -199,15 +213,15 @@ class Engine:
                 feed = self._step(i, feed, inputs, cache, timed, consume)
                 _sync(self.tiers.compute)
                 stats.step_seconds.append(time.perf_counter() - t0)
+                timed.drain()                  # after the synchronize: every event completed
                 if until is not None and until():
                     break
         finally:
             for lane in self.lanes.values():       # no copy may outlive the run's buffers
                 lane.drain()
-            self._pool = self._stored = None
+            self._pool = self._stored = self._home_stored = self._step_stores = None
         stats.eviction_seconds = timed.seconds()
         stats.traffic = self.traffic.as_dict()
-        self.last_run = stats
         return stats
 
     def _step_input(self, pos, valid):
@@ -220,7 +234,10 @@ class Engine:
         cache = []
         self._cache_tiers = self.placement.cache_tiers(len(sizes))   # cache[k]'s home tier
         for tier, size in zip(self._cache_tiers, sizes):
-            bufs = G.allocate(self.model, capacity, size, self.tiers.alloc(tier))
+            alloc = self.tiers.alloc(tier)
+            if self.placement.compress_cache:      # K, V: only their 4-bit parts in the tier
+                alloc = _kv_in_ram(alloc)
+            bufs = G.allocate(self.model, capacity, size, alloc)   # alloc picks the device
             if self.placement.compress_cache:
                 put = lambda x, tier=tier: self.tiers.put(tier, x)   # noqa: E731
                 for b in bufs:
@@ -254,11 +271,12 @@ class Engine:
                 continue
             h = self._compute(stage, w, h, inputs[k], buf, policy)
             if buf is not None:
-                self._store_cache(i, n, stage, k, cache, buf)
+                stored = self._store_cache(i, n, stage, k, cache, buf)
                 if not overlap:
-                    self._stored[n % POOL].wait()
+                    stored.wait()
             hidden[k] = self._park_hidden(h)
-        for t in self._stored:
+        stores, self._step_stores = self._step_stores, []
+        for t in stores:                  # all of them: a ticket replaced in a pool slot too
             t.wait()
         return out
 
@@ -283,8 +301,10 @@ class Engine:
         if not stage.has_cache:
             return DONE
         home, tier = cache[k][stage.layer], self._cache_tiers[k]
+        stored = self._home_stored.get((k, stage.layer), DONE)   # its latest store
         direct_cpu = tier == "cpu" and self.placement.cpu_cache_compute and i > 0
         if (tier == "gpu" or direct_cpu) and not self.placement.compress_cache:
+            stored.wait()                              # e.g. the prefill's store into it
             return Ticket(home)
         if i == 0:                                     # prefill computes on the compute device
             return Ticket(_like(home, self.tiers.compute))
@@ -299,19 +319,27 @@ class Engine:
 
         def load():
             previous.wait()                            # its last user's store has finished
+            stored.wait()      # and so has every store into the home (ordered per home)
             load_into(work, home)
             return work
         return self.lanes["load_cache"].submit(load)
 
-    def _store_cache(self, i: int, n: int, stage: Stage, k: int, cache, work: KVBuffer) -> None:
+    def _store_cache(self, i: int, n: int, stage: Stage, k: int, cache, work: KVBuffer) -> Ticket:
+        """Store a working buffer into its home -> the store's ticket, also kept for the
+        home's next load, the pool slot's next user and the end of the step."""
         home, tier = cache[k][stage.layer], self._cache_tiers[k]
         if work is home:
-            return
+            return DONE
         src = "gpu" if i == 0 else self._work_tier(tier)    # prefill computes on the device
 
         def store():
             self.traffic.add(src, tier, store_into(home, work))
-        self._stored[n % POOL] = self.lanes["store_cache"].submit(store)
+        ticket = self.lanes["store_cache"].submit(store, key=(k, stage.layer))
+        self._home_stored[(k, stage.layer)] = ticket
+        if work is self._pool[n % POOL]:               # a prefill buffer is not pooled
+            self._stored[n % POOL] = ticket
+        self._step_stores.append(ticket)
+        return ticket
 
     def _count_shipping(self, b: int):
         """cpu_cache_compute ships q, k, v of the new token to the cache and the output back."""
@@ -324,7 +352,7 @@ class Engine:
         if self.placement.act_tier == "gpu":
             return h
         self.traffic.add("gpu", "cpu", _nbytes(h))
-        return self.tiers.put("cpu", h)
+        return self.tiers.park(h)
 
     def _fetch_hidden(self, h):
         if self.placement.act_tier == "cpu" and h.is_floating_point():
@@ -335,7 +363,9 @@ class Engine:
 
 class TimedPolicy:
     """A policy whose hooks are timed: eviction bookkeeping (the policy's own work, not the
-    attention it is handed). On CUDA the time comes from events read after the run."""
+    attention it is handed). On CUDA the time comes from a pair of events per hook call, read
+    and dropped by `drain()` once they have completed (the engine drains after each token
+    step's synchronize, so the pairs never outnumber one step's hook calls)."""
 
     HOOKS = ("prefill", "before_attention", "after_attention")
 
@@ -350,7 +380,7 @@ class TimedPolicy:
 
         def timed(*args, **kwargs):
             if self._cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a, b = self._event(), self._event()
                 a.record()
                 out = attr(*args, **kwargs)
                 b.record()
@@ -362,11 +392,24 @@ class TimedPolicy:
             return out
         return timed
 
+    @staticmethod
+    def _event():
+        return torch.cuda.Event(enable_timing=True)
+
+    def drain(self) -> None:
+        """Add up the event pairs that have completed and drop them; the others stay."""
+        pending = []
+        for a, b in self._events:
+            if b.query():
+                self._spent += a.elapsed_time(b) / 1e3
+            else:
+                pending.append((a, b))
+        self._events = pending
+
     def seconds(self) -> float:
         if self._events:
             torch.cuda.synchronize()
-            self._spent += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
-            self._events.clear()
+            self.drain()
         return self._spent
 
 
@@ -390,6 +433,14 @@ def compressed(t: torch.Tensor, put) -> Packed4bit:
     head dim for the cache, the input features for weights), each part placed by put(tensor)."""
     p = quantize_4bit(t, group=64, dim=-1)
     return dataclasses.replace(p, data=put(p.data), min=put(p.min), scale=put(p.scale))
+
+
+def _kv_in_ram(alloc):
+    """alloc, except for K and V (the 3-D fields): zeros in ordinary memory, to be compressed
+    into the tier (allocated there, they would hold tier memory until the run ends)."""
+    def kv_in_ram(shape, dtype, device=None):
+        return torch.zeros(shape, dtype=dtype) if len(shape) == 3 else alloc(shape, dtype, device)
+    return kv_in_ram
 
 
 def _like(buf: KVBuffer, device) -> KVBuffer:

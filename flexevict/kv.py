@@ -25,7 +25,9 @@ class KVBuffer:
     def __init__(self, capacity: int, rows: int, head_dim: int, dtype, device, kv_heads: int = 1,
                  layer: int = 0, alloc=zeros):
         """alloc(shape, dtype, device) -> zeroed tensor: where the slots live (the offloading
-        engine passes pinned or file-backed allocators)."""
+        engine passes pinned or file-backed allocators, which may ignore `device`: tensors
+        made here follow the allocated metadata, so a CPU or disk home indexes on the CPU
+        whatever the compute device is)."""
         n = capacity + 1
         self.capacity = capacity
         self.kv_heads = kv_heads  # rows = batch * kv_heads, row b * kv_heads + h
@@ -41,7 +43,7 @@ class KVBuffer:
         self.used = 0            # committed slots filled (the same for every row)
         self.ring_start = 0      # ring policies: first slot of the recent queue
         self.cursor = 0          # ring policies: slot of the oldest recent token
-        self.rows_index = torch.arange(rows, device=device)
+        self.rows_index = torch.arange(rows, device=self.valid.device)
         self.dirty: list | None = None   # K/V slots written since the last store (None: all)
 
     @property

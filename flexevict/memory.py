@@ -10,11 +10,12 @@ import shutil
 import torch
 
 from .engine import POOL, split_weights, stages_for
+from . import rundir
 from .errors import UserError
 from .model import load_layer_weights, load_outer_weights
+from .offload import can_pin, host_bytes, park_bytes
 
 GIB = 1 << 30
-SLOT_META_BYTES = 4 + 4 + 4 + 1     # score, state, position, valid per slot and row
 
 
 class _MetaSource:
@@ -37,8 +38,13 @@ class MemoryPlan:
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.sizes = placement.batch_split(n)
 
-    def weight_bytes(self) -> tuple[dict, int]:
-        """-> (bytes per tier, the largest schedule layer's streamed bytes)."""
+    def pinned(self, device=None) -> bool:
+        """Whether the cpu tier is page-locked (device None: assume a CUDA device)."""
+        return self.placement.pin_weight and (device is None or can_pin(torch.device(device)))
+
+    def weight_bytes(self, pinned: bool = False) -> tuple[dict, int]:
+        """-> (bytes per tier, the largest schedule layer's streamed bytes); a pinned cpu tier
+        counts whole pages per tensor, as it locks them (offload.pinned_size)."""
         c, p, src = self.config, self.placement, _MetaSource(self.config)
         tiers, largest = {"gpu": 0, "cpu": 0, "disk": 0}, 0
         outer = load_outer_weights(c, src, "meta", self.dtype)
@@ -48,33 +54,45 @@ class MemoryPlan:
                  if t is not None}
             streamed = 0
             for t, tier in zip(w.values(), p.weight_tiers([t.numel() for t in w.values()])):
-                tiers[tier] += self._stored(t)
+                tiers[tier] += host_bytes(self._stored(t), pinned and tier == "cpu")
                 streamed += t.numel() * self.elem if tier != "gpu" else 0
             largest = max(largest, streamed)
         return tiers, largest
 
-    def _stored(self, t) -> int:
+    def _stored(self, t) -> list[int]:
+        """Bytes of the tensors one weight is stored as: itself, or its 4-bit parts."""
         if self.placement.compress_weight and t.dim() == 2:
-            return t.numel() // 2 + 2 * math.ceil(t.numel() / 64) * self.elem
-        return t.numel() * self.elem
+            return self._packed(t.shape[0], t.shape[1])
+        return [t.numel() * self.elem]
 
-    def _buffer_bytes(self, batch: int, compressed: bool) -> int:
-        """One layer's KV buffer for `batch` sequences (slots include the scratch slot)."""
-        c = self.config
-        d = c.dim_head
-        kv = (d // 2 + 2 * math.ceil(d / 64) * self.elem) if compressed else d * self.elem
-        return self.slots * batch * c.num_kv_heads * (2 * kv + SLOT_META_BYTES)
+    def _packed(self, outer: int, last: int) -> list[int]:
+        """4-bit parts (codes, min, scale) of outer rows of `last` values, groups of 64."""
+        groups = outer * math.ceil(last / 64)
+        return [groups * 32, groups * self.elem, groups * self.elem]
+
+    def _buffer_tensors(self, batch: int, compressed: bool) -> list[int]:
+        """Bytes of each tensor of one layer's KV buffer for `batch` sequences (slots include
+        the scratch slot): K and V (or their 4-bit parts), score, state, pos, valid."""
+        n = self.slots * batch * self.config.num_kv_heads
+        d = self.config.dim_head
+        kv = self._packed(n, d) if compressed else [n * d * self.elem]
+        return 2 * kv + [4 * n, 4 * n, 4 * n, n]
+
+    def _buffer_bytes(self, batch: int, compressed: bool, pinned: bool = False) -> int:
+        return host_bytes(self._buffer_tensors(batch, compressed), pinned)
 
     def cache_bytes(self) -> int:
         return sum(self.config.num_layers * self._buffer_bytes(b, self.placement.compress_cache)
                    for b in self.sizes)
 
-    def needs(self) -> dict:
-        """Estimated bytes in each tier: homes plus the compute device's working set."""
-        c, p = self.config, self.placement
-        tiers, streamed = self.weight_bytes()
+    def needs(self, device=None) -> dict:
+        """Estimated bytes in each tier: homes plus the compute device's working set (on
+        `device`; None: a CUDA device, with the cpu tier pinned if the placement asks)."""
+        c, p, pinned = self.config, self.placement, self.pinned(device)
+        tiers, streamed = self.weight_bytes(pinned)
         for tier, b in zip(p.cache_tiers(len(self.sizes)), self.sizes):
-            tiers[tier] += c.num_layers * self._buffer_bytes(b, p.compress_cache)
+            tiers[tier] += c.num_layers * self._buffer_bytes(b, p.compress_cache,
+                                                              pinned and tier == "cpu")
         gbs = max(self.sizes)
         staged = p.compress_cache or p.cache_gpu < 100
         on_cpu = p.cpu_cache_compute and p.cache_gpu == 0 and not p.compress_cache
@@ -84,12 +102,13 @@ class MemoryPlan:
         attn = 2 * gbs * c.num_heads * min(s, 256) * s * 4          # blockwise prompt scores
         hidden = len(self.sizes) * gbs * s * c.hidden_size * self.elem if p.act_gpu else 0
         tiers["gpu"] += 2 * streamed + work + act + attn + hidden + gbs * c.vocab_size * 4
-        if not p.act_gpu:
-            tiers["cpu"] += len(self.sizes) * gbs * s * c.hidden_size * self.elem
+        if not p.act_gpu:      # each batch's parked hidden states, and the one being parked
+            parked = park_bytes(gbs * s * c.hidden_size * self.elem, pinned)
+            tiers["cpu"] += (len(self.sizes) + 1) * parked
         return tiers
 
     def check(self, device: torch.device, gpu_limit: int | None) -> None:
-        need = self.needs()
+        need = self.needs(device)
         if device.type == "cuda" and need["gpu"] > gpu_limit:
             raise UserError(self._message("GPU", need, gpu_limit))
         host = need["cpu"] + (need["gpu"] if device.type == "cpu" else 0)
@@ -97,6 +116,7 @@ class MemoryPlan:
         if available is not None and host > available:
             raise UserError(self._message("CPU", need, available, host))
         if need["disk"]:
+            rundir.check_writable(self.placement.offload_dir)
             free = shutil.disk_usage(_existing_parent(self.placement.offload_dir)).free
             if need["disk"] > free:
                 raise UserError(f"not enough disk: about {need['disk'] / GIB:.1f} GiB needed under "

@@ -66,6 +66,11 @@ class Placement:
         return (self.w_gpu, self.w_cpu, self.cache_gpu, self.cache_cpu, self.act_gpu, self.act_cpu)
 
     @property
+    def uses_disk(self) -> bool:
+        """Some weights or cache live under offload_dir."""
+        return self.w_gpu + self.w_cpu < 100 or self.cache_gpu + self.cache_cpu < 100
+
+    @property
     def act_tier(self) -> str:
         return "gpu" if self.act_gpu == 100 else "cpu"
 

@@ -1,6 +1,9 @@
 """`python -m flexevict.bench` end to end on CPU: the result block and JSON, projection, and the
 one-line errors for settings that cannot fit."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from test_cli import assert_user_error, run
@@ -62,3 +65,235 @@ def test_long_opt_run_needs_the_timing_only_flag():
     proc = run("bench", "--model", "opt-125m", "--device", "cpu", "--prompt-len", "2048",
                "--gen-len", "8", "--gpu-batch-size", "1")
     assert_user_error(proc, "maximum of 2048 positions")
+
+
+# ------------------------------------------------------------------------------ warm-up
+
+def test_warmup_runs_the_policy_under_test_and_it_evicts(monkeypatch):
+    """The warm-up must run the timed policy's own hooks (and kernels), not `full` only: a
+    fresh instance from the same spec, evicting during the prefill and at every decode step."""
+    from flexevict.engine import Engine
+    from flexevict.policies.h2o import H2O
+    from flexevict.bench import throughput
+
+    runs, hooks = [], []
+    real_run, real_after, real_prefill = Engine.run, H2O.after_attention, H2O.prefill
+
+    def spy_run(self, prompts, steps, policy, *a, **k):
+        runs.append((policy, steps, len(prompts[0])))
+        return real_run(self, prompts, steps, policy, *a, **k)
+
+    def spy_after(self, *a, **k):
+        hooks.append((id(self), "decode"))
+        return real_after(self, *a, **k)
+
+    def spy_prefill(self, *a, **k):
+        hooks.append((id(self), "prefill"))
+        return real_prefill(self, *a, **k)
+    monkeypatch.setattr(Engine, "run", spy_run)
+    monkeypatch.setattr(H2O, "after_attention", spy_after)
+    monkeypatch.setattr(H2O, "prefill", spy_prefill)
+    args = throughput.parse_args([a for a in SMALL if a != "--no-warmup"]
+                                 + ["--policy", "h2o", "--budget", "0.5"])
+    result = throughput.run(args)
+    (warm, warm_steps, warm_len), (timed, _, _) = runs
+    assert isinstance(warm, H2O) and warm is not timed and warm.evicts
+    assert warm_steps >= 2 and warm.slots - 1 < warm_len       # the prompt itself is compacted
+    warm_hooks = [kind for who, kind in hooks if who == id(warm)]
+    assert "prefill" in warm_hooks and warm_hooks.count("decode") > 0
+    assert result["kernel_build_s"] is None                    # CPU: the reference, no build
+
+
+@pytest.mark.parametrize("name", ["h2o", "buzz", "cascade", "hashevict", "vatp", "tova",
+                                  "scissorhands"])
+def test_warmup_policy_evicts_at_the_warmup_length(name):
+    from flexevict.bench.throughput import WARMUP_PROMPT, WARMUP_TOKENS, warmup_policy
+    from flexevict.policies import PolicySpec
+    policy, length = warmup_policy(PolicySpec.parse(name, 0.2), max_prompt=2048)
+    assert length >= WARMUP_PROMPT and policy.name == name
+    committed = policy.capacity(length, WARMUP_TOKENS)
+    assert policy.evicts and committed < length
+
+
+def test_warmup_of_full_is_full_and_fits_short_prompts():
+    from flexevict.bench.throughput import warmup_policy
+    from flexevict.policies import PolicySpec
+    policy, length = warmup_policy(PolicySpec.parse("full"), max_prompt=16)
+    assert policy.name == "full" and length == 16
+
+
+# ------------------------------------------------------------------------------ run metadata
+
+def _git_head() -> str:
+    import subprocess
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+
+
+def test_run_metadata_without_git_on_path(tmp_path, monkeypatch):
+    from flexevict.bench import report
+    expected = _git_head()
+    monkeypatch.setenv("PATH", str(tmp_path))                 # an empty folder: no git
+    report.git_commit.cache_clear()
+    try:
+        meta = report.run_metadata("cpu")
+    finally:
+        report.git_commit.cache_clear()
+    assert meta["commit"] == expected and len(expected) == 40
+
+
+def test_commit_is_read_once_per_process(monkeypatch):
+    from flexevict.bench import report
+    reads = []
+    monkeypatch.setattr(report, "commit_from_tree", lambda start: reads.append(start) or "a" * 40)
+    report.git_commit.cache_clear()
+    try:
+        assert [report.run_metadata()["commit"] for _ in range(3)] == ["a" * 40] * 3
+    finally:
+        report.git_commit.cache_clear()
+    assert len(reads) == 1
+
+
+def test_bench_runs_without_git_on_path(tmp_path):
+    expected = _git_head()
+    out = tmp_path / "r.json"
+    env = dict(os.environ, PATH=str(tmp_path), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "flexevict.bench", *SMALL, "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert r["run"]["commit"] == expected and r["run_info"]["commit"] == expected
+    assert "kernel build/load: n/a" in proc.stdout
+
+
+def test_commit_from_a_tree_without_git(tmp_path):
+    """Loose refs, packed refs, a detached HEAD, a worktree's .git file, and no repository."""
+    from flexevict.bench.report import commit_from_tree
+    sha1, sha2, sha3 = "1" * 40, "2" * 40, "3" * 40
+    git = tmp_path / "repo" / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "packed-refs").write_text(f"# pack-refs with: peeled\n{sha2} refs/heads/main\n"
+                                     f"{sha3} refs/heads/other\n^{sha1}\n")
+    deep = tmp_path / "repo" / "a" / "b"
+    deep.mkdir(parents=True)
+    assert commit_from_tree(deep) == sha2                     # packed
+    (git / "refs" / "heads" / "main").write_text(sha1 + "\n")
+    assert commit_from_tree(deep) == sha1                     # loose wins
+    wt = git / "worktrees" / "wt"
+    wt.mkdir(parents=True)
+    (wt / "HEAD").write_text("ref: refs/heads/other\n")
+    (wt / "commondir").write_text("../..\n")
+    (tmp_path / "wt").mkdir()
+    (tmp_path / "wt" / ".git").write_text(f"gitdir: {wt}\n")
+    assert commit_from_tree(tmp_path / "wt") == sha3          # worktree -> common packed refs
+    (git / "HEAD").write_text(sha2 + "\n")
+    assert commit_from_tree(deep) == sha2                     # detached
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    assert commit_from_tree(lone) in (None, _git_head())      # tmp may sit inside a checkout
+
+
+# ------------------------------------------------------------------------------ kernel timing
+
+def test_kernel_benchmark_runs_on_cpu(tmp_path):
+    out = tmp_path / "k.json"
+    proc = subprocess.run([sys.executable, "-m", "flexevict.bench.kernels", "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert r["backend"] == "torch-reference" and r["launches"] == 2 and r["results"]
+    for row in r["results"]:
+        assert row["kernel_ms"] is None and row["reference_ms"] > 0
+        assert row["reference_host_us"] > 0 and row["launches"] >= 1
+    assert r["run"]["commit"]
+
+
+def test_timed_loops_launch_back_to_back_with_setup_outside():
+    """N launches per loop, the setup once per loop (never between launches), and an op with
+    `copies` gets at most that many launches per loop, each on its own copy."""
+    import torch
+    from flexevict.bench.kernels import Op, time_op
+    events = []
+    op = Op("count", lambda i: events.append(("launch", i)), lambda: events.append("setup"))
+    t = time_op(op, torch.device("cpu"), launches=5, loops=4)
+    loops = [chunk for chunk in _split_at_setup(events) if chunk]
+    assert t["launches"] == 5 and t["ms"] >= 0 and t["host_us"] >= 0
+    assert loops[0] == [("launch", 0)]                            # the untimed first launch
+    assert all(chunk == [("launch", i) for i in range(5)] for chunk in loops[1:])
+    assert len(loops) == 1 + 2 + 4                                # first, host loops, timed loops
+    events.clear()
+    t = time_op(Op("copies", lambda i: events.append(("launch", i)),
+                   lambda: events.append("setup"), copies=3), torch.device("cpu"), 20, 2)
+    launched = [i for chunk in _split_at_setup(events) for _, i in chunk]
+    assert t["launches"] == 3 and max(launched) == 2
+
+
+def _split_at_setup(events):
+    chunks = [[]]
+    for e in events:
+        if e == "setup":
+            chunks.append([])
+        else:
+            chunks[-1].append(e)
+    return chunks
+
+
+# ------------------------------------------------------------------------------ FlexGen peer
+
+FAKE_FLEX_OPT = '''
+"""Stands in for flexgen.flex_opt (FlexGen 0.1.8): what it does with the tokenizer and the log."""
+import argparse, os
+from transformers import AutoTokenizer
+p = argparse.ArgumentParser()
+p.add_argument("--model"); p.add_argument("--log-file"); p.add_argument("--prompt-len", type=int)
+args, _ = p.parse_known_args()
+assert os.environ.get("HF_HUB_OFFLINE") == "1", "the hub would be asked"
+tok = AutoTokenizer.from_pretrained("facebook/opt-30b", padding_side="left")
+ids = tok(["Paris is the capital city of"], padding="max_length",
+          max_length=args.prompt_len).input_ids[0]
+assert len(ids) == args.prompt_len
+with open(args.log_file, "a") as f:
+    f.write(f"model size: 12.4 GB\\tcache size: 1.1 GB\\thidden size (p): 0.0 GB\\n"
+            f"peak gpu mem: 13.0 GB\\tprojected: False\\n"
+            f"prefill latency: 0.5 s\\tprefill throughput: 2048.0 token/s\\n"
+            f"decode latency: 1.5 s\\tdecode throughput: 41.3 token/s\\n"
+            f"total latency: 2.0 s\\ttotal throughput: 32.0 token/s\\n")
+'''
+
+
+def test_flexgen_peer_runs_offline_for_any_opt_model(tmp_path):
+    """FlexGen loads facebook/opt-30b's tokenizer whatever the model: the peer must put its
+    stand-in there, in FlexGen's working folder, and keep the hub off."""
+    site = tmp_path / "site" / "flexgen"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    (site / "flex_opt.py").write_text(FAKE_FLEX_OPT)
+    work, out = tmp_path / "work", tmp_path / "peer.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE",
+                                                            "TRANSFORMERS_OFFLINE")}
+    env.update(FLEXGEN_PYTHON=sys.executable, PYTHONPATH=str(tmp_path / "site"))
+    peer = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                        "peers", "flexgen_peer.py")
+    proc = subprocess.run([sys.executable, peer, "--model", "opt-6.7b", "--prompt-len", "48",
+                           "--workdir", str(work), "--offload-dir", str(tmp_path / "off"),
+                           "--json", str(out)], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (work / "facebook" / "opt-30b" / "tokenizer.json").is_file()
+    assert not (work / "facebook" / "opt-6.7b").exists()
+    r = json.loads(out.read_text())
+    assert r["total_throughput"] == 32.0 and r["projected"] is False
+
+
+def test_flexgen_peer_prepare_writes_where_flexgen_looks(tmp_path, monkeypatch):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "bench", "peers"))
+    try:
+        import flexgen_peer
+    finally:
+        sys.path.pop(0)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    env = flexgen_peer.prepare(str(tmp_path))
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert (tmp_path / "facebook" / "opt-30b" / "tokenizer_config.json").is_file()

@@ -136,7 +136,7 @@ def test_top_k_restricts_first_token():
 
 def test_sampling_checks():
     model = model_for("opt")
-    for bad in (Sampling(greedy=False, temperature=0.0), Sampling(greedy=False, top_p=0.0),
+    for bad in (Sampling(greedy=False, temperature=-1.0), Sampling(greedy=False, top_p=0.0),
                 Sampling(greedy=False, top_p=1.5), Sampling(greedy=False, top_k=-1)):
         with pytest.raises(UserError):
             run(model, [[1, 2]], sampling=bad)

