@@ -89,8 +89,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype):
-    """cos, sin of shape pos.shape + (d,) for integer positions."""
-    freqs = pos.to(torch.float32).unsqueeze(-1) * inv_freq.to(pos.device)
+    """cos, sin of shape pos.shape + (d,) for integer positions; inv_freq on pos's device."""
+    freqs = pos.to(torch.float32).unsqueeze(-1) * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -151,17 +151,18 @@ def linear(x, w, b=None):
 class StepInput:
     """Per-call metadata shared by all layers.
 
-    prefill: pos (B, S) absolute positions, valid (B, S) non-pad mask.
+    prefill: pos (B, S) absolute positions, valid (B, S) non-pad mask (pads first).
     decode:  pos (B,), valid None.
     """
     pos: torch.Tensor
     valid: torch.Tensor | None
     rope: tuple | None = None      # (cos, sin), computed once per call for LLaMA
-    prefill_mask: torch.Tensor | None = None   # (B, 1, S, S) bool, True = may attend
+    pads: torch.Tensor | None = None   # prefill: (B,) pads per row; None when no row has any
 
 
 def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
-    """Causal mask that also hides pad keys; pad queries see themselves (no all-masked row)."""
+    """Causal mask that also hides pad keys; pad queries see themselves (no all-masked row).
+    (B, S) -> (B, 1, S, S) bool, for kernels that take any mask (the model needs none)."""
     s = valid.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=valid.device).tril()
     eye = torch.eye(s, dtype=torch.bool, device=valid.device)
@@ -177,6 +178,7 @@ class Transformer:
         each call its loaded weights); device/dtype default to the embedding's."""
         self.config, self.layers, self.outer = config, layers, outer
         self.inv_freq = rope_inv_freq(config) if config.arch == "llama" else None
+        self._inv_freq_at = {}         # device -> inv_freq there, copied once
         self._device, self._dtype = device, dtype
 
     @classmethod
@@ -205,11 +207,23 @@ class Transformer:
     def device(self):
         return self._device or self.outer["embed"].device
 
+    def rope_freq(self, device) -> torch.Tensor:
+        """inv_freq on `device`, copied there on first use: a copy per call would make every
+        decode step wait for a host-to-device transfer."""
+        device = torch.device(device)
+        if device not in self._inv_freq_at:
+            self._inv_freq_at[device] = self.inv_freq.to(device)
+        return self._inv_freq_at[device]
+
     # ------------------------------------------------------------------ embed / head
     def step_input(self, pos: torch.Tensor, valid: torch.Tensor | None) -> StepInput:
-        rope = rope_cos_sin(self.inv_freq, pos, self.dtype) if self.inv_freq is not None else None
-        mask = prefill_mask(valid) if valid is not None else None
-        return StepInput(pos=pos, valid=valid, rope=rope, prefill_mask=mask)
+        rope = None
+        if self.inv_freq is not None:
+            rope = rope_cos_sin(self.rope_freq(pos.device), pos, self.dtype)
+        pads = None
+        if valid is not None and not bool(valid.all()):   # prefill: one host read per call
+            pads = (~valid).sum(dim=1)
+        return StepInput(pos=pos, valid=valid, rope=rope, pads=pads)
 
     def embed(self, tokens: torch.Tensor, inp: StepInput, o: dict | None = None) -> torch.Tensor:
         """tokens (B, S) or (B,) -> hidden (B, S, D) or (B, D). o: outer weights (default resident)."""
@@ -294,14 +308,11 @@ class Transformer:
                 k_cached = k
         factor = policy.logit_scale(s)
         scale = d ** -0.5 * factor
+        out = causal_attention(q, k, v, inp.pads, None if factor == 1.0 else scale)
         scores = None
         if policy.wants_prompt_scores():
-            out, scores = attention_with_column_sums(q, k, v, inp.prefill_mask, inp.valid, scale,
-                                                     fold=policy.prompt_scores)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=inp.prefill_mask,
-                                                 enable_gqa=nh != nk,
-                                                 scale=None if factor == 1.0 else scale)
+            from . import kernels
+            scores = kernels.prefill_column_sums(q, k, inp.valid, scale, fold=policy.prompt_scores)
         # buffer rows are (b, kv-head): (B, Hk, S, ...) -> (S, B*Hk, ...)
         rows = lambda t: t.permute(2, 0, 1, *range(3, t.dim())).reshape(s, b * nk, *t.shape[3:])
         pos = inp.pos.unsqueeze(1).expand(b, nk, s)
@@ -311,7 +322,7 @@ class Transformer:
             extra["q"] = q.view(b, nk, nh // nk, s, d).permute(3, 0, 1, 2, 4).reshape(s, b * nk, nh // nk, d)
         policy.prefill(buf, rows(k_cached), rows(v), rows(pos).to(torch.int32), rows(valid),
                        None if scores is None else rows(scores), **extra)
-        return out.transpose(1, 2).reshape(b, s, nh * d)
+        return out.reshape(b, s, nh * d)
 
     def _decode_attention(self, q, k, v, inp, buf, policy):
         """Attention and eviction run where the buffer lives (FlexGen's cpu_cache_compute ships
@@ -350,24 +361,59 @@ class Transformer:
         valid = buf.valid[:n]
         order_key = torch.where(valid, buf.pos[:n], torch.iinfo(torch.int32).max)
         rank = order_key.argsort(dim=0, stable=True).argsort(dim=0)          # (n, R)
-        cos, sin = rope_cos_sin(self.inv_freq, rank, q.dtype)                 # (n, R, d)
+        inv_freq = self.rope_freq(q.device)
+        cos, sin = rope_cos_sin(inv_freq, rank, q.dtype)                      # (n, R, d)
         keys = apply_rope(buf.k[:n], cos, sin)
         q_pos = valid.sum(dim=0) - 1                                          # (R,)
-        qcos, qsin = rope_cos_sin(self.inv_freq, q_pos, q.dtype)
+        qcos, qsin = rope_cos_sin(inv_freq, q_pos, q.dtype)
         return apply_rope(q, qcos.unsqueeze(1), qsin.unsqueeze(1)), keys
 
 
-def attention_with_column_sums(q, k, v, mask, valid, scale, block: int = 256, fold=None):
-    """Prefill attention that also returns each key's attention received (H2O's column sums),
-    without materialising the S x S matrix (a CUDA kernel on a GPU, query blocks otherwise).
+def causal_attention(q, k, v, pads: torch.Tensor | None, scale: float | None = None):
+    """Causal prefill attention of left-padded rows on SDPA's fused kernels (flash attention
+    where the device has it). q (B, H, S, d), k/v (B, Hk, S, d), pads (B,) int pads at the start
+    of each row, or None when no row has any; scale None = d^-0.5 -> out (B, S, H, d), rows
+    token-major for the output projection.
 
-    q (B, H, S, d), k/v (B, Hk, S, d), mask (B, 1, S, S) bool, valid (B, S) ->
+    Padding without a mask: SDPA cannot combine is_causal with a mask, and a (B, 1, S, S) mask
+    rules out the flash kernel and makes the others read a B*S*S bias. Rolling each row left by
+    its pad count moves its real tokens to the front, and there plain causal attention is exact:
+    a real query sees exactly the real tokens up to itself. Pad queries, now at the end, see at
+    least their row's first real token, so no row is fully masked and no NaN can arise (their
+    outputs are finite and never read). The rolls are gathers of q, k, v and the output,
+    O(B H S d) next to attention's O(B H S^2 d), and only a padded batch pays them.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if pads is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+        return out.transpose(1, 2)
+    b, h, s, d = q.shape
+    slots = torch.arange(s, device=q.device)
+    src = (slots + pads[:, None]) % s            # (B, S): rolled slot i holds token src[b, i]
+
+    def roll(t):
+        return t.gather(2, src[:, None, :, None].expand(b, t.shape[1], s, d))
+
+    out = F.scaled_dot_product_attention(roll(q), roll(k), roll(v), is_causal=True, scale=scale,
+                                         enable_gqa=gqa)
+    back = (slots - pads[:, None]) % s           # token i sits at rolled slot back[b, i]
+    return out.transpose(1, 2).gather(1, back[:, :, None, None].expand(b, s, h, d))
+
+
+def attention_with_column_sums(q, k, v, valid, scale, block: int = 256, fold=None):
+    """Prefill attention that also returns each key's attention received (H2O's column sums),
+    as the model computes them: SDPA (`causal_attention`) for the output, query blocks of the
+    softmax for the sums (`flexevict.kernels.prefill_column_sums`).
+
+    q (B, H, S, d), k/v (B, Hk, S, d), valid (B, S) bool (left padding) ->
     out (B, H, S, d), column sums (B, Hk, S) fp32 summed over query heads, pad queries excluded.
     fold(acc, p, first, valid) replaces the column sum with a policy's own prompt statistic;
     p (B, Hk, g, c, S) fp32 are the probabilities of query rows [first, first + c).
     """
     from . import kernels
-    return kernels.prefill_attention(q, k, v, mask, valid, scale, block, fold)
+    out = causal_attention(q, k, v, (~valid).sum(dim=1), scale).transpose(1, 2)
+    return out, kernels.prefill_column_sums(q, k, valid, scale, block, fold)
 
 
 def attend(q: torch.Tensor, buf: KVBuffer, n: int, scale: float, keys=None):

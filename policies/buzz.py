@@ -140,17 +140,25 @@ class Buzz(Policy):
     def simulate(self, prompt_len: int, steps: int) -> list[int]:
         """Committed tokens of an unpadded row after prefill and after each of `steps` decode
         steps (the counts follow the rules alone; scores only pick which tokens)."""
-        k, w, T, s, sh = self.k, self.w, self.T, self.s, self.sh
         n, a = prompt_len, 0
         sizes = []
         for step in range(steps + 1):
             n += step > 0
-            while self.evicts and n - k - w > T:       # a pass (repeats only in prefill)
-                new = n - k - w - a
-                a = -(-a // sh) + -(-new // s)
-                n = k + w + a
+            while self.evicts and n - self.k - self.w > self.T:   # repeats only in prefill
+                n, a = self.pass_counts(n, a)
             sizes.append(n)
         return sizes
+
+    def pass_counts(self, count: int, old: int) -> tuple[int, int]:
+        """A row's (tokens, old tokens) after one pass, from the counts alone (`buzz_select`:
+        the k sinks, the w window, every ŝ-th old token, one new token per chunk of s); a row
+        whose middle fits T is left as it is."""
+        k, w = self.k, self.w
+        if count - k - w <= self.T:
+            return count, old
+        new = count - k - w - old
+        old = -(-old // self.sh) + -(-new // self.s)
+        return k + w + old, old
 
     def describe(self) -> dict:
         d = super().describe()
@@ -193,6 +201,10 @@ class Buzz(Policy):
         buf.pos[:n] = torch.where(live, buf.pos[:n], -1)
         buf.score[:n] = torch.where(live, buf.score[:n], 0.0)
         buf.state[:n] = old.float()
+        # the distinct (tokens, old tokens) of the rows, on the host: the counts follow the
+        # rules alone (`pass_counts`), so decode knows every pass's outcome without reading the
+        # device (these host reads, like the loop's, happen once per prefill)
+        buf.buzz_counts = _distinct(zip(live.sum(0).tolist(), old.sum(0).tolist()))
 
     def after_attention(self, buf: KVBuffer, slot: int, probs: torch.Tensor) -> None:
         if not self.evicts:
@@ -201,11 +213,14 @@ class Buzz(Policy):
         add_attention(buf, probs)
         if slot != buf.scratch:
             buf.commit_appended(slot)
+        counts = [(c + 1, a) for c, a in buf.buzz_counts]     # every row holds the new token
         # buf.used is the longest row's count, so this is "some row's middle exceeds T"; a token
         # in scratch cannot stay there (it cannot happen without a pass when k+w+T+1 <= slots,
         # but compacting then still frees room, since no row holds more than k+w+T tokens)
         if n > self.k + self.w + self.T or slot == buf.scratch:
-            self.evict(buf, n)
+            counts = [self.pass_counts(c, a) for c, a in counts]
+            self.evict(buf, n, max(c for c, _ in counts))
+        buf.buzz_counts = _distinct(counts)
 
     # ------------------------------------------------------------------ the pass
     def select(self, valid, old, score):
@@ -214,11 +229,17 @@ class Buzz(Policy):
         afterwards (n, R), hit (R,): rows whose middle exceeded T."""
         return buzz_select(valid, old, score, self.k, self.w, self.T, self.s)
 
-    def evict(self, buf: KVBuffer, n: int) -> None:
-        """Run a pass over slots [0, n) and compact every row (one kernel launch on a GPU)."""
-        kernels.buzz_pass(buf, n, self.k, self.w, self.T, self.s)
-        if buf.used > buf.capacity:
-            raise RuntimeError(f"BUZZ pass left {buf.used} tokens for {buf.capacity} slots")
+    def evict(self, buf: KVBuffer, n: int, used: int) -> None:
+        """Run a pass over slots [0, n) and compact every row (one kernel launch on a GPU);
+        used: the longest row's count afterwards, known on the host (`pass_counts`)."""
+        if used > buf.capacity:
+            raise RuntimeError(f"BUZZ pass leaves {used} tokens for {buf.capacity} slots")
+        kernels.buzz_pass(buf, n, self.k, self.w, self.T, self.s, used=used)
+
+
+def _distinct(counts) -> tuple:
+    """Rows with the same (tokens, old tokens) evolve alike: one entry each, sorted."""
+    return tuple(sorted(set(counts)))
 
 
 @register

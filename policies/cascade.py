@@ -236,7 +236,7 @@ class Cascade(Policy):
         held = torch.full((cap + 1, rows), -1, dtype=torch.int64, device=dev)
         mu = torch.zeros(cap + 1, rows, dtype=torch.float32, device=dev)
         ridx = buf.rows_index
-        all_live = int(n_real.min())
+        all_live = int(n_real.min())             # host reads here are prefill-only (once per call)
         tie = self.opts["tie_replace"]
         for i, (s_t, d_t, cmp) in enumerate(self._schedule_tensors(p, dev)):
             held[sc] = i

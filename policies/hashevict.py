@@ -122,7 +122,7 @@ class HashEvict(RingPolicy):
         if getattr(buf, "hash_proj", None) is None:
             r = projection(self.opts["hash_bits"], buf.k.shape[-1], self.opts["seed"],
                            getattr(buf, "layer", 0))
-            buf.hash_proj = r.to(buf.k.device)
+            buf.hash_proj = r.to(buf.k.device)      # once per buffer, at prefill: decode reuses it
         return buf.hash_proj
 
     def _put(self, buf: KVBuffer, index, codes: torch.Tensor) -> None:

@@ -43,7 +43,7 @@ dropped and its slot reused in place. Decisions:
   tokens are kept, the rest ranked by importance over the last `window` prompt queries.
   `prompt_scores(acc, p, first, valid)` computes that statistic from the prefill probabilities
   (count: the window's bits per key; attention: the window's sums), for an engine that lets a
-  policy fold the prompt attention (a proposed hook in model.attention_with_column_sums). The
+  policy fold the prompt attention (the `fold` of kernels.prefill_column_sums). The
   current engine hands every policy the column sums over all prompt queries instead: then the
   prompt is ranked by those and, in count mode, counting starts at the first decode step. In
   attention mode the prompt's sum is spread evenly over its window steps (the per-query rows
@@ -154,7 +154,7 @@ class Scissorhands(RingPolicy):
         """Put the kept prompt tokens' window history into `buf.sh_hist`."""
         s, cap = pos.shape[0], buf.capacity
         # the prompt index of each kept slot, from its (per-row unique) position
-        top = int(pos.max()) + 1                  # pads go to a spare last row
+        top = int(pos.max()) + 1                  # pads: a spare last row (a prefill-only read)
         where = torch.zeros(top + 1, pos.shape[1], dtype=torch.int64, device=pos.device)
         idx = torch.arange(s, device=pos.device).unsqueeze(1).expand_as(pos)
         where.scatter_(0, torch.where(valid, pos, top).long(), idx)

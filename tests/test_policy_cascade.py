@@ -341,7 +341,7 @@ def test_prompt_scores_are_the_streamed_ema():
     rows) is the EMA mu <- gamma mu + (1 - gamma) s the decode path would give each prompt token
     had the prompt been streamed one query at a time with full attention (GQA: summed over the
     group)."""
-    from flexevict.model import attention_with_column_sums, prefill_mask
+    from flexevict.model import attention_with_column_sums
     g = torch.Generator().manual_seed(5)
     policy = get_policy("cascade", budget_tokens=45)
     policy.capacity(60, 30)
@@ -351,8 +351,8 @@ def test_prompt_scores_are_the_streamed_ema():
     q, k, v = (torch.randn(b, n, s, d, generator=g) for n in (h, hk, hk))
     valid = torch.ones(b, s, dtype=torch.bool)
     valid[1, :4] = False
-    _, stat = attention_with_column_sums(q, k, v, prefill_mask(valid), valid, d ** -0.5,
-                                         block=3, fold=policy.prompt_scores)
+    _, stat = attention_with_column_sums(q, k, v, valid, d ** -0.5, block=3,
+                                         fold=policy.prompt_scores)
     for bi in range(b):
         for kh in range(hk):
             mu = torch.zeros(s, dtype=torch.float64)

@@ -21,7 +21,8 @@ from .reference import (WORD_BITS, accumulate_scores, buzz_select, candidate_slo
                         compaction, hamming, kv_head_probs, lowest, popcount, reduce_heads)
 
 __all__ = [  # the dispatch functions (kernel or reference) ...
-           "backend", "decode_attention", "prefill_attention", "evict_commit", "ring_commit",
+           "backend", "decode_attention", "prefill_attention", "prefill_column_sums",
+           "evict_commit", "ring_commit",
            "hash_codes", "hash_victims", "compact_prompt", "buzz_pass", "cascade_update",
            "quantize_4bit", "dequantize_4bit", "Packed4bit",
            # ... and reference helpers the policies share (no kernel of their own)
@@ -105,6 +106,8 @@ def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold
     q (B, H, S, d); k, v (B, Hk, S, d); mask (B, 1, S, S) bool (True = may attend); valid (B, S)
     -> out (B, H, S, d), colsum (B, Hk, S) fp32. fold(acc, p, first, valid) replaces the column
     sums with a policy's own statistic (reference only; see `reference.prefill_attention`).
+    Any mask; the model's causal prefill uses SDPA plus `prefill_column_sums` instead (the
+    kernel runs one scalar thread per query row, no tensor cores).
     """
     op = "prefill_attention"
     _expect(op, "q", q, (None, None, None, None), FLOATS)
@@ -126,6 +129,26 @@ def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold
     module.prefill_attention(_lastdim(q), _lastdim(k), _lastdim(v), mask, valid.contiguous(),
                              out, row_max, row_sum, colsum, float(scale), ext.stream(q))
     return out, colsum
+
+
+def prefill_column_sums(q, k, valid, scale: float, block: int = 256, fold=None):
+    """Per key, the attention it receives in a causal prefill of left-padded rows, summed over
+    the query heads of its kv head and over the valid queries (H2O's column sums); the model
+    takes the attention output from SDPA and calls this only for a policy that wants it.
+
+    q (B, H, S, d); k (B, Hk, S, d); valid (B, S) bool (pads first) -> (B, Hk, S) fp32, or
+    fold(acc, p, first, valid)'s statistic. Torch ops on every device: batched GEMMs (tensor
+    cores) and a fused softmax per query block, which beats the extension's prefill kernel (one
+    scalar thread per query, see `prefill_attention`) by far on a GPU.
+    """
+    op = "prefill_column_sums"
+    _expect(op, "q", q, (None, None, None, None), FLOATS)
+    b, h, s, d = q.shape
+    _expect(op, "k", k, (b, None, s, d), q.dtype, q.device)
+    if k.shape[1] == 0 or h % k.shape[1]:
+        _fail(op, f"query heads ({h}) must be a multiple of kv heads ({k.shape[1]})")
+    _expect(op, "valid", valid, (b, s), torch.bool, q.device)
+    return reference.prefill_column_sums(q, k, valid, scale, block, fold)
 
 
 # ------------------------------------------------------------------------------ victims
@@ -254,19 +277,24 @@ def compact_prompt(buf, k, v, pos, valid, scores, rank, prefix: int, ring: int) 
     buf.touch_all()
 
 
-def buzz_pass(buf, n: int, k: int, w: int, T: int, s: int) -> None:
+def buzz_pass(buf, n: int, k: int, w: int, T: int, s: int, used: int | None = None) -> None:
     """One BUZZ pass over slots [0, n) of every row (`reference.buzz_select`), compacting each
-    row's kept tokens to the front in slot order; `buf.used` becomes the longest row's count
-    (the one host sync: it sets how many slots the next step attends)."""
+    row's kept tokens to the front in slot order; `buf.used` becomes the longest row's count.
+    The counts follow BUZZ's rules alone, so the policy predicts it on the host and passes it as
+    `used`; without it, it is read from the device (a host sync)."""
     if not 0 <= n <= buf.capacity + 1:
         _fail("buzz_pass", f"n ({n}) exceeds the buffer's {buf.capacity + 1} slots")
+    if used is not None and not 0 <= used <= n:
+        _fail("buzz_pass", f"used ({used}) must be in [0, n={n}]")
     module = _buffer_module(buf)
     if module is None or n > 3072 or buf.k.shape[-1] > 256:
-        kept = reference.buzz_pass(buf, n, k, w, T, s)
+        kept = reference.buzz_pass(buf, n, k, w, T, s, used)
     else:
         kept = module.buzz_pass(buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, n, k, w,
                                 T, s, ext.stream(buf.k))
-    buf.used = int(kept.max()) if kept.numel() else 0
+    if used is None:
+        used = int(kept.max()) if kept.numel() else 0
+    buf.used = used
     buf.touch_all()
 
 

@@ -41,9 +41,9 @@ def decode_attention(q, k, v, valid, scale: float, score=None):
     bias.masked_fill_(~valid.t().unsqueeze(1), float("-inf"))
     logits = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)   # (R, g, n)
     p = torch.softmax(logits.float(), dim=-1)
-    live = valid.any(dim=0)
-    if p.is_cuda or not bool(live.all()):                        # no valid slot: 0, not NaN
-        p.masked_fill_(~live.view(-1, 1, 1), 0.0)                # (a CPU skips it if it can)
+    # no valid slot: 0, not NaN; unconditional, since asking the host whether any row is dead
+    # would make a GPU wait (on a CPU the fill costs about 2% of this function)
+    p.masked_fill_(~valid.any(dim=0).view(-1, 1, 1), 0.0)
     out = torch.bmm(p.to(vals.dtype), vals)
     if score is not None:
         accumulate_scores(score, p)
@@ -67,7 +67,7 @@ def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold
     out = torch.empty_like(q).view(b, hk, g, s, d)
     colsum = None if fold else torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
     blind = ~mask.any(dim=-1)                                      # (B, 1, S) sees no key
-    any_blind = bool(blind.any())
+    any_blind = bool(blind.any())                                  # prefill only: a host read
     kt = k.transpose(-1, -2).unsqueeze(2)                          # (B, Hk, 1, d, S)
     vg = v.unsqueeze(2)
     for i in range(0, s, block):
@@ -86,13 +86,64 @@ def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold
     return out.view(b, h, s, d), colsum
 
 
+# Query rows per block of `prefill_column_sums` are capped so that one block's probabilities,
+# B * H * rows * S fp32 values, stay near 256 MiB however large the batch and prompt are.
+COLSUM_BLOCK_VALUES = 1 << 26
+
+
+def prefill_column_sums(q, k, valid, scale: float, block: int = 256, fold=None):
+    """Each key's attention received in a causal prefill of left-padded rows (H2O's column
+    sums): the softmax probabilities of query blocks (batched GEMMs, so tensor cores on a GPU)
+    summed over the query heads of its kv head and over the valid queries. The attention output
+    itself is not computed here (the model takes it from SDPA, `model.causal_attention`).
+
+    q (B, H, S, d), k (B, Hk, S, d), valid (B, S) bool, real tokens after the pads -> (B, Hk, S)
+    fp32. A query sees the real keys up to itself; a pad query sees only itself and casts no
+    vote (its probabilities are zeroed), so no row is ever fully masked.
+    fold(acc, p, first, valid) replaces the column sum with a policy's own prompt statistic;
+    p (B, Hk, g, c, S) fp32 are the probabilities of query rows [first, first + c).
+    """
+    b, h, s, d = q.shape
+    hk = k.shape[1]
+    g = h // hk
+    block = max(1, min(block, COLSUM_BLOCK_VALUES // (b * h * s)))
+    qg = q.view(b, hk, g, s, d)
+    kt = k.reshape(b * hk, s, d).transpose(1, 2)                   # (B*Hk, d, S)
+    keys = torch.arange(s, device=q.device)
+    votes = valid.to(torch.float32)
+    colsum = None if fold else torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
+    unused = q.new_zeros(1, 1, 1)                                  # baddbmm's input, beta=0
+    for i in range(0, s, block):
+        j = min(i + block, s)                                      # causal: keys [0, j) only
+        c = j - i
+        rows = qg[:, :, :, i:j].reshape(b * hk, g * c, d)
+        logits = torch.baddbmm(unused, rows, kt[..., :j], beta=0, alpha=scale)
+        query = keys[i:j, None]
+        sees = ((keys[:j] <= query) & valid[:, None, :j]) | (keys[:j] == query)   # (B, c, j)
+        # masking the small (B, c, j) bias and adding it costs what masked_fill_ on the logits
+        # does on a GPU, and about a tenth of it on a CPU (whose masked_fill_ is not vectorised)
+        hidden = torch.zeros(b, 1, 1, c, j, dtype=logits.dtype, device=q.device)
+        logits = logits.view(b, hk, g, c, j).add_(hidden.masked_fill_(~sees[:, None, None],
+                                                                      float("-inf")))
+        p = torch.softmax(logits, dim=-1, dtype=torch.float32)    # (B, Hk, g, c, j)
+        if fold:                                                   # folds see all S keys
+            p = p * votes[:, None, None, i:j, None]
+            colsum = fold(colsum, F.pad(p, (0, s - j)), i, valid)
+        else:                                                      # a GEMV over the queries
+            colsum[..., :j] += (votes[:, None, None, None, i:j] @ p).sum(dim=(2, 3))
+    return colsum
+
+
 # ------------------------------------------------------------------------------ victims
 
 def candidate_slots(buf: KVBuffer, end: int, cursor: bool) -> torch.Tensor:
-    """Slots [0, end), plus the ring's oldest token `buf.cursor` when `cursor`: (c,) int64."""
-    slots = torch.arange(end, device=buf.k.device)
+    """Slots [0, end), plus the ring's oldest token `buf.cursor` when `cursor`: (c,) int64.
+
+    Built on the device from host ints (arange, then a fill with the cursor): a tensor made
+    from a Python list would be a blocking host-to-device copy every decode step."""
+    slots = torch.arange(end + bool(cursor), device=buf.k.device)
     if cursor:
-        slots = torch.cat([slots, torch.tensor([buf.cursor], device=buf.k.device)])
+        slots[end:].fill_(buf.cursor)
     return slots
 
 
@@ -164,7 +215,9 @@ def hash_victims(buf: KVBuffer, query_codes: torch.Tensor, protect: int,
     value = -hamming(query_codes, keys).to(torch.float32)           # (c, R)
     value[:protect] = float("inf")
     victims = lowest(buf, value, cand)
-    buf.valid[victims, buf.rows_index] = False
+    # valid[victims[r], r] = False; a scatter, since indexed assignment of a Python scalar
+    # copies the scalar to the device first (a blocking copy)
+    buf.valid.scatter_(0, victims.unsqueeze(0), False)
     return victims
 
 
@@ -195,11 +248,13 @@ def compact_prompt(buf: KVBuffer, k, v, pos, valid, scores, rank, prefix: int, r
 
 # ------------------------------------------------------------------------------ BUZZ
 
-def compaction(keep: torch.Tensor):
+def compaction(keep: torch.Tensor, m: int | None = None):
     """Per row, the kept slots first in slot order: keep (n, R) bool -> sel (m, R) int64 slot
-    indices with m = the largest kept count, and live (m, R): sel points at a kept slot."""
+    indices with m = the largest kept count, and live (m, R): sel points at a kept slot.
+    A caller that knows m passes it; otherwise it is read from the device (a host sync)."""
     count = keep.sum(0)
-    m = int(count.max())
+    if m is None:
+        m = int(count.max())
     sel = torch.sort((~keep).to(torch.int8), dim=0, stable=True).indices[:m]
     live = torch.arange(m, device=keep.device).unsqueeze(1) < count
     return sel, live
@@ -239,13 +294,15 @@ def buzz_select(valid, old, score, k: int, w: int, T: int, s: int):
     return keep, old_after, hit
 
 
-def buzz_pass(buf: KVBuffer, n: int, k: int, w: int, T: int, s: int) -> torch.Tensor:
+def buzz_pass(buf: KVBuffer, n: int, k: int, w: int, T: int, s: int,
+              used: int | None = None) -> torch.Tensor:
     """Run a BUZZ pass over slots [0, n) and compact every row with one gather per tensor; old
-    tokens are flagged by `buf.state` = 1. -> kept tokens per row (R,); the caller sets
+    tokens are flagged by `buf.state` = 1. used: the longest row's kept count when the caller
+    knows it (no host sync), else None. -> kept tokens per row (R,); the caller sets
     `buf.used` to their maximum."""
     keep, old_after, _ = buzz_select(buf.valid[:n], buf.state[:n] > 0.5, buf.score[:n],
                                      k, w, T, s)
-    sel, live = compaction(keep)
+    sel, live = compaction(keep, used)
     m = sel.shape[0]
     at = sel.unsqueeze(-1).expand(-1, -1, buf.k.shape[-1])
     buf.k[:m] = buf.k[:n].gather(0, at)

@@ -1,0 +1,411 @@
+"""The decode hot path never waits on the host, and prefill attention runs on SDPA.
+
+Decode (every registered policy, both tiny architectures, a budget that evicts): the model's
+decode attention and the policy hooks it calls must not synchronise host and device. On a GPU
+`torch.cuda.set_sync_debug_mode("error")` catches every sync; on a CPU nothing syncs, so
+`NoHostSync` raises on the calls that would (reading a value on the host, shapes that depend on
+data, tensors built from Python data, device moves, scalars assigned through an index).
+
+Prefill: the attention output comes from SDPA with a causal flag and no S x S mask (left padding
+handled by rolling rows, `model.causal_attention`), the column sums from a separate blockwise
+pass (`kernels.prefill_column_sums`); both are checked against eager softmax attention.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import flexevict.generation as G
+import flexevict.model as fmodel
+from flexevict import kernels
+from flexevict.generation import Sampling, generate
+from flexevict.kernels import ext
+from flexevict.kernels import reference as ref
+from flexevict.model import Transformer, causal_attention, prefill_mask
+from flexevict.policies import POLICIES, get_policy
+from flexevict.weights import DummyWeights
+from tiny import CONFIGS, model_for, rand_prompts
+
+T = torch.Tensor
+CUDA = torch.cuda.is_available()
+
+# ==================================================================== the CPU sync detector
+
+# always a sync on a GPU: a value read on the host, a data-dependent output shape, or a tensor
+# built from Python data (a blocking host-to-device copy)
+SYNCING = {getattr(owner, name): f"{'Tensor' if owner is T else 'torch'}.{name}"
+           for owner, names in (
+               (T, ("item", "tolist", "__bool__", "__int__", "__float__", "__index__",
+                    "__complex__", "__contains__", "numpy", "__array__", "cpu", "cuda",
+                    "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select",
+                    "bincount", "equal", "allclose", "is_nonzero")),
+               (torch, ("nonzero", "argwhere", "unique", "unique_consecutive", "masked_select",
+                        "bincount", "equal", "allclose", "is_nonzero", "tensor", "as_tensor",
+                        "asarray")))
+           for name in names}
+
+
+class HostSync(AssertionError):
+    pass
+
+
+def _index_problem(tensor, index, value=None, assigning=False):
+    """Why t[index] (or t[index] = value) would sync on a GPU, or None."""
+    parts = index if isinstance(index, tuple) else (index,)
+    through_tensor = False
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            if part.dtype in (torch.bool, torch.uint8):
+                return "boolean-mask indexing (a data-dependent shape: nonzero on a GPU)"
+            if part.dim() == 0:
+                return "indexing with a 0-dim tensor (its value is read on the host)"
+            through_tensor = True
+        elif isinstance(part, list):
+            return "indexing with a Python list (copied to the device first)"
+    if assigning and isinstance(value, (bool, int, float)):
+        if through_tensor:
+            return "a Python scalar assigned through a tensor index (index_put_ copies it)"
+        if tensor[index].dim() == 0:
+            return "a Python scalar assigned to a single element (a host-to-device copy)"
+    return None
+
+
+def sync_problem(func, args, kwargs) -> str | None:
+    """Why this call would make a GPU wait for the host (or the host for a GPU), or None."""
+    if func in SYNCING:
+        return SYNCING[func]
+    if func is T.to:
+        moves = [a for a in args[1:] if isinstance(a, (torch.device, str, int, T))
+                 and not isinstance(a, bool)]
+        if moves or kwargs.get("device") is not None:
+            return "Tensor.to with a device (a copy between host and device)"
+    if func is torch.where and len(args) + len(kwargs) == 1:
+        return "torch.where(condition) (nonzero)"
+    if func in (T.repeat_interleave, torch.repeat_interleave):
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0])
+        if isinstance(repeats, T) and repeats.numel() > 1 and kwargs.get("output_size") is None:
+            return "repeat_interleave with tensor repeats (the output size is read on the host)"
+    if func is T.__getitem__:
+        return _index_problem(args[0], args[1])
+    if func is T.__setitem__:
+        return _index_problem(args[0], args[1], args[2], assigning=True)
+    return None
+
+
+class NoHostSync(TorchFunctionMode):
+    """Raise HostSync on any torch call that would sync host and device on a GPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        problem = sync_problem(func, args, kwargs)
+        if problem:
+            raise HostSync(f"host sync in a decode step: {problem}")
+        return func(*args, **kwargs)
+
+
+def _t():
+    return torch.arange(6.0).view(2, 3)
+
+
+CAUGHT = {
+    "item": lambda: _t()[0, 0].item(),
+    "bool": lambda: bool(_t().any()),
+    "int": lambda: int(_t().max()),
+    "tolist": lambda: _t().tolist(),
+    "nonzero": lambda: _t().nonzero(),
+    "mask index": lambda: _t()[_t() > 2],
+    "mask assign": lambda: _t().__setitem__(_t() > 2, 0.0),
+    "list index": lambda: _t()[[0, 1]],
+    "0-dim index": lambda: _t()[torch.tensor(1)],
+    "scalar through index": lambda: _t().__setitem__((torch.arange(2), torch.arange(2)), 0.0),
+    "scalar into one element": lambda: _t().__setitem__((0, 1), 5.0),
+    "tensor from a list": lambda: torch.tensor([3], device="cpu"),
+    "device move": lambda: _t().to("cpu"),
+    "unique": lambda: torch.unique(_t()),
+    "where(cond)": lambda: torch.where(_t() > 1),
+    "repeat by tensor": lambda: torch.arange(3).repeat_interleave(torch.tensor([1, 2, 0])),
+}
+
+
+@pytest.mark.parametrize("case", CAUGHT)
+def test_detector_catches_each_known_sync(case):
+    with pytest.raises(HostSync), NoHostSync():
+        CAUGHT[case]()
+
+
+def test_detector_allows_the_sync_free_idioms():
+    t, rows = _t(), torch.arange(3)
+    with NoHostSync():
+        slots = torch.arange(4)
+        slots[3:].fill_(7)                              # a host int written by a fill kernel
+        t[1] = 0.0                                      # a whole row: a fill
+        t.scatter_(0, torch.zeros(1, 3, dtype=torch.long), 1.0)
+        t[torch.zeros(3, dtype=torch.long), rows] = t[1, rows]
+        t.masked_fill_(t > 3, 0.0)
+        torch.where(t > 1, t, float("-inf"))
+        t.to(torch.int32)
+        torch.arange(3).repeat_interleave(2)
+
+
+# ==================================================================== decode: no host sync
+
+BUDGET = dict(budget_tokens=24)          # every policy's minimum fits; 30-token prompts evict
+PROMPTS = (30, 23)                       # left padding included
+NEW_TOKENS = 20
+
+
+def guard_decode(monkeypatch, guard):
+    """Run every decode attention (which calls the policy hooks) and every decode step input
+    inside `guard()`; -> a dict counting decode steps and the steps that evicted."""
+    seen = {"steps": 0, "evicting": 0}
+    real_attn, real_input = Transformer._decode_attention, Transformer.step_input
+
+    def attention(self, q, k, v, inp, buf, policy):
+        slot, used = buf.incoming_slot(), buf.used
+        with guard():
+            out = real_attn(self, q, k, v, inp, buf, policy)
+        seen["steps"] += 1
+        seen["evicting"] += slot == buf.scratch or buf.used <= used   # a commit or a BUZZ pass
+        return out
+
+    def step_input(self, pos, valid):
+        if valid is not None:                               # prefill may sync (documented)
+            return real_input(self, pos, valid)
+        with guard():
+            return real_input(self, pos, valid)
+
+    monkeypatch.setattr(Transformer, "_decode_attention", attention)
+    monkeypatch.setattr(Transformer, "step_input", step_input)
+    return seen
+
+
+def run_policy(model, name):
+    policy = get_policy(name, **({} if name == "full" else BUDGET))
+    out = generate(model, rand_prompts(PROMPTS, seed=11), NEW_TOKENS, policy, Sampling(), (), 0)
+    assert all(len(row) == NEW_TOKENS for row in out)
+    return policy
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_decode_step_has_no_host_sync(name, arch, monkeypatch):
+    seen = guard_decode(monkeypatch, NoHostSync)
+    policy = run_policy(model_for(arch), name)
+    assert seen["steps"] == (NEW_TOKENS - 1) * CONFIGS[arch].num_layers
+    if name != "full":
+        assert policy.evicts and seen["evicting"] > 0, "the run must exercise eviction"
+
+
+class CudaSyncsAreErrors:
+    """torch.cuda.set_sync_debug_mode("error") for a block, restored afterwards."""
+
+    def __enter__(self):
+        self.before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(self.before)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: torch.cuda.set_sync_debug_mode only sees host "
+                                     "syncs on a GPU (the CPU test above covers what a CPU can)")
+@pytest.mark.parametrize("backend", ["cuda-kernels", "torch-reference"])
+@pytest.mark.parametrize("arch", CONFIGS)
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_decode_step_never_syncs_on_gpu(name, arch, backend, monkeypatch):
+    if backend == "torch-reference":
+        monkeypatch.setenv("FLEXEVICT_KERNELS", "0")
+    elif ext.load() is None:                    # build (or fail) before any guarded step
+        pytest.fail("the CUDA kernels did not build (see the warning above)")
+    model = Transformer.load(CONFIGS[arch], DummyWeights(CONFIGS[arch], seed=0), device="cuda")
+    seen = guard_decode(monkeypatch, CudaSyncsAreErrors)
+    policy = run_policy(model, name)
+    assert seen["steps"] == (NEW_TOKENS - 1) * CONFIGS[arch].num_layers
+    if name != "full":
+        assert policy.evicts and seen["evicting"] > 0
+
+
+@pytest.mark.parametrize("name", ["buzz", "buzz-logn"])
+@pytest.mark.parametrize("lengths", [(40,), (61, 23, 47), (30, 30, 9)])
+def test_buzz_host_counts_match_the_buffer(name, lengths, monkeypatch):
+    """BUZZ predicts each row's count on the host (no sync); it must equal the buffer's."""
+    policy = get_policy(name, budget_tokens=20)
+    real_after = type(policy).after_attention
+    checked = []
+
+    def after(self, buf, slot, probs):
+        real_after(self, buf, slot, probs)
+        live = buf.valid
+        truth = set(zip(live.sum(0).tolist(), ((buf.state > 0.5) & live).sum(0).tolist()))
+        assert set(buf.buzz_counts) == truth
+        assert buf.used == int(live.sum(0).max())
+        checked.append(buf.used)
+
+    monkeypatch.setattr(type(policy), "after_attention", after)
+    generate(model_for("llama-gqa"), rand_prompts(lengths, seed=len(lengths)), 60, policy,
+             Sampling(), (), 0)
+    assert any(b < a for a, b in zip(checked, checked[1:]))          # passes happened
+
+
+# ==================================================================== prefill attention
+
+def eager_attention(q, k, v, valid, scale):
+    """The previous implementation's result, densely: softmax over the causal mask without pad
+    keys (pad queries see themselves) -> out (B, H, S, d), column sums (B, Hk, S) over the valid
+    queries and the query heads of each kv head."""
+    b, h, s, d = q.shape
+    g = h // k.shape[1]
+    kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    logits = (q.double() @ kk.double().transpose(-1, -2)) * scale
+    p = logits.masked_fill(~prefill_mask(valid), float("-inf")).softmax(-1)
+    votes = (p * valid[:, None, :, None]).sum(2)
+    return (p @ vv.double()).to(q.dtype), votes.view(b, -1, g, s).sum(2).float()
+
+
+def qkv(b, h, hk, s, d, seed, pads=()):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, h, d, generator=gen).transpose(1, 2)      # strided, as in the model
+    k, v = (torch.randn(b, s, hk, d, generator=gen).transpose(1, 2) for _ in range(2))
+    valid = torch.ones(b, s, dtype=torch.bool)
+    for row, n in enumerate(pads):
+        valid[row, :n] = False
+    return q, k, v, valid
+
+
+SHAPES = {"mha-unpadded": (2, 4, 4, 19, 8, ()), "mha-padded": (3, 4, 4, 19, 8, (0, 5, 18)),
+          "gqa-padded": (3, 6, 2, 33, 16, (7, 0, 1)), "one-token": (2, 2, 1, 1, 8, ())}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_causal_attention_equals_eager_softmax(shape, scale):
+    b, h, hk, s, d, pads = SHAPES[shape]
+    q, k, v, valid = qkv(b, h, hk, s, d, seed=s, pads=pads)
+    n_pads = (~valid).sum(1) if pads else None
+    out = causal_attention(q, k, v, n_pads, scale).transpose(1, 2)          # (B, H, S, d)
+    want, _ = eager_attention(q, k, v, valid, d ** -0.5 if scale is None else scale)
+    real = valid[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], want[real], atol=1e-5, rtol=1e-5)
+    assert out.isfinite().all()                                 # pad rows too: no NaN anywhere
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block", [256, 5, 1])
+def test_column_sums_equal_eager_softmax(shape, block):
+    b, h, hk, s, d, pads = SHAPES[shape]
+    q, k, v, valid = qkv(b, h, hk, s, d, seed=s + 1, pads=pads)
+    got = kernels.prefill_column_sums(q, k, valid, 0.4, block=block)
+    _, want = eager_attention(q, k, v, valid, 0.4)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    _, before = ref.prefill_attention(q, k, v, prefill_mask(valid), valid, 0.4, block=block)
+    torch.testing.assert_close(got, before, atol=1e-6, rtol=1e-5)   # the previous pass
+    assert not got[~valid[:, None].expand_as(got)].any()         # pad keys receive nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_column_sums_in_half_precision(dtype):
+    """fp16/bf16 inputs (a GPU's): logits in the input dtype, softmax and sums in fp32."""
+    q, k, v, valid = qkv(3, 6, 2, 33, 16, seed=3, pads=(7, 0, 1))
+    got = kernels.prefill_column_sums(q.to(dtype), k.to(dtype), valid, 0.25, block=8)
+    _, want = eager_attention(q, k, v, valid, 0.25)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=0.03, rtol=0.03)
+
+
+def test_column_sum_blocks_shrink_for_large_batches(monkeypatch):
+    """The block is capped by COLSUM_BLOCK_VALUES (memory), and the sums do not change."""
+    q, k, v, valid = qkv(3, 6, 2, 33, 16, seed=2, pads=(7, 0, 1))
+    want = kernels.prefill_column_sums(q, k, valid, 0.4)
+    blocks = []
+    real_softmax = torch.softmax
+    monkeypatch.setattr(ref, "COLSUM_BLOCK_VALUES", 3 * 6 * 33 * 4)      # 4 query rows
+    monkeypatch.setattr(torch, "softmax", lambda x, *a, **kw: blocks.append(x.shape[3]) or
+                        real_softmax(x, *a, **kw))
+    got = kernels.prefill_column_sums(q, k, valid, 0.4)
+    assert max(blocks) == 4 and len(blocks) == 9
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+FOLDS = {"cascade": {}, "tova": {}, "scissorhands": {"window": 6},
+         "scissorhands-attention": {"score": "attention", "window": 6}}
+
+
+@pytest.mark.parametrize("case", FOLDS)
+def test_prompt_statistics_equal_the_previous_pass(case):
+    """A policy's own prompt statistic (fold) is what the previous attention pass gave, at
+    every real key (pad keys are never kept)."""
+    name = case.split("-")[0]
+    policy = get_policy(name, budget_tokens=20, **FOLDS[case])
+    policy.capacity(40, 20)
+    q, k, v, valid = qkv(3, 4, 2, 21, 8, seed=9, pads=(0, 6, 13))
+    got = kernels.prefill_column_sums(q, k, valid, 8 ** -0.5, block=4, fold=policy.prompt_scores)
+    _, want = ref.prefill_attention(q, k, v, prefill_mask(valid), valid, 8 ** -0.5, block=4,
+                                    fold=policy.prompt_scores)
+    real = valid[:, None].expand(got.shape[:3])
+    if got.dtype == torch.uint8:
+        assert torch.equal(got[real], want[real])
+    else:
+        torch.testing.assert_close(got[real], want[real], atol=1e-6, rtol=1e-5)
+
+
+def test_prefill_gives_sdpa_a_causal_flag_and_no_mask(monkeypatch):
+    """full and an evicting h2o: SDPA is called with is_causal and no S x S mask, padded batch
+    or not, and the evicting policy never reaches the scalar prefill kernel."""
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(kernels, "prefill_attention", lambda *a, **kw: pytest.fail("scalar"))
+    for lengths in ((12, 12), (12, 5)):
+        for policy in (get_policy("full"), get_policy("h2o", budget_tokens=8)):
+            generate(model_for("llama-gqa"), rand_prompts(lengths, seed=1), 3, policy,
+                     Sampling(), (), 0)
+    assert calls and all(kw["is_causal"] and kw.get("attn_mask") is None for kw in calls)
+
+
+def eager_causal_attention(q, k, v, pads, scale=None):
+    """`causal_attention` by dense masked softmax (the previous implementation)."""
+    b, h, s, d = q.shape
+    valid = torch.arange(s)[None] >= (pads if pads is not None else torch.zeros(b))[:, None]
+    out, _ = eager_attention(q, k, v, valid, d ** -0.5 if scale is None else scale)
+    return out.transpose(1, 2)
+
+
+def eager_column_sums(q, k, valid, scale, block=256, fold=None):
+    """`kernels.prefill_column_sums` by dense softmax (plain column sums only)."""
+    assert fold is None
+    return eager_attention(q, k, k, valid, scale)[1]
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+@pytest.mark.parametrize("name", ["full", "h2o", "buzz-logn"])
+def test_model_prefill_equals_eager_attention(arch, name, monkeypatch):
+    """A padded prefill through the model: logits at real tokens and the column sums a policy
+    receives equal those of eager softmax attention; no NaN anywhere (pad rows included)."""
+    model, prompts = model_for(arch), rand_prompts((17, 9, 14), seed=4)
+    seen = {}
+
+    def prefill(model):
+        policy = get_policy(name, budget_tokens=None if name == "full" else 8)
+        s = max(map(len, prompts))
+        bufs = G.allocate(model, policy.capacity(s, 4), len(prompts))
+        real = policy.prefill
+        policy.prefill = lambda buf, k, v, pos, valid, scores=None, **kw: (
+            seen.setdefault(buf.layer, []).append(scores), real(buf, k, v, pos, valid, scores))
+        tokens, valid, pos = G.left_pad(prompts, 0, "cpu")
+        h = G.forward(model, tokens, model.step_input(pos, valid), bufs, policy)
+        assert h.isfinite().all()
+        return model.head(h)[valid], valid
+
+    with torch.inference_mode():
+        got, valid = prefill(model)
+        monkeypatch.setattr(fmodel, "causal_attention", eager_causal_attention)
+        monkeypatch.setattr(kernels, "prefill_column_sums", eager_column_sums)
+        want, _ = prefill(model)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for layer, (a, b) in seen.items():
+        if name == "full":
+            assert a is None and b is None
+        else:
+            keys = valid.repeat_interleave(CONFIGS[arch].num_kv_heads, 0).t()   # (S, rows)
+            torch.testing.assert_close(a[keys], b[keys], atol=1e-5, rtol=1e-5)
