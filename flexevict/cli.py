@@ -66,42 +66,128 @@ def str2bool(v: str) -> bool:
 
 
 def add_placement_args(p: argparse.ArgumentParser, gpu_batch_size: int = 0):
-    """FlexGen's placement flags (same names and defaults; `bench` fixes a GPU batch size)."""
-    g = p.add_argument_group("placement (FlexGen semantics; 'GPU' is the compute device)")
-    g.add_argument("--percent", nargs=6, type=int, default=[100, 0, 100, 0, 100, 0],
-                   metavar=("W_GPU", "W_CPU", "CACHE_GPU", "CACHE_CPU", "ACT_GPU", "ACT_CPU"),
-                   help="weights, KV cache and activations on GPU and CPU, in percent; the "
-                        "rest of each is on disk (default 100 0 100 0 100 0)")
-    g.add_argument("--gpu-batch-size", type=int, default=gpu_batch_size,
-                   help=f"sequences per GPU batch (default {gpu_batch_size})" if gpu_batch_size
-                   else "sequences per GPU batch (default: the batch split over the GPU batches)")
-    g.add_argument("--num-gpu-batches", type=int, default=1,
-                   help="GPU batches that share each loaded layer's weights (default 1)")
+    """FlexGen's placement flags (same names and defaults; `bench` fixes a GPU batch size),
+    each of which may be `auto` (chosen by the cost model's search, flexevict/plan.py), and
+    the memory limits and calibration that search plans with."""
+    g = p.add_argument_group("placement (FlexGen semantics; 'GPU' is the compute device; "
+                             "`auto` asks the cost model, see python -m flexevict.plan)")
+    g.add_argument("--percent", nargs="+", default=[100, 0, 100, 0, 100, 0],
+                   metavar="PERCENT",
+                   help="six integers W_GPU W_CPU CACHE_GPU CACHE_CPU ACT_GPU ACT_CPU: weights, KV "
+                        "cache and activations on GPU and CPU, in percent, the rest of each on "
+                        "disk (default 100 0 100 0 100 0); or auto")
+    g.add_argument("--gpu-batch-size", type=_int_or_auto, default=gpu_batch_size,
+                   help=f"sequences per GPU batch, or auto (default {gpu_batch_size})"
+                   if gpu_batch_size else "sequences per GPU batch, or auto (default: the batch "
+                   "split over the GPU batches; auto when any placement flag is auto)")
+    g.add_argument("--num-gpu-batches", type=_int_or_auto, default=1,
+                   help="GPU batches that share each loaded layer's weights, or auto (default 1)")
     for name, default, what in (("overlap", True, "overlap I/O with compute"),
                                 ("sep-layer", True, "schedule attention and MLP as two layers"),
                                 ("pin-weight", True, "pin CPU-resident weights (CUDA only)")):
         g.add_argument(f"--{name}", type=str2bool, nargs="?", const=True, default=default,
                        help=f"{what} (default {default})")
-    g.add_argument("--cpu-cache-compute", action="store_true",
-                   help="run decode attention on the CPU where a CPU/disk cache lives")
-    g.add_argument("--compress-weight", action="store_true", help="4-bit group-quantised weights")
-    g.add_argument("--compress-cache", action="store_true", help="4-bit group-quantised KV cache")
+    for name, what in (("cpu-cache-compute", "run decode attention on the CPU where a CPU/disk "
+                                             "cache lives"),
+                       ("compress-weight", "4-bit group-quantised weights"),
+                       ("compress-cache", "4-bit group-quantised KV cache")):
+        g.add_argument(f"--{name}", type=_bool_or_auto, nargs="?", const=True, default=False,
+                       help=f"{what} (alone: on; or true, false, auto; default off)")
     g.add_argument("--offload-dir", default="~/flexevict_offload_dir",
                    help="directory for disk-resident weights and cache")
+    g.add_argument("--gpu-mem-limit", type=float, default=None, metavar="GB",
+                   help="GPU memory the run may use, in GiB (bench caps the allocator at it, e.g. "
+                        "16 for a T4's setting; auto plans within it; default: the GPU's)")
+    g.add_argument("--cpu-mem-limit", type=float, default=None, metavar="GB",
+                   help="host memory the process may hold, in GiB (anonymous memory: the "
+                        "interpreter, the cpu tier, and on a CPU device the 'GPU' tier; mapped "
+                        "disk-tier files do not count); checked before the run, and auto plans "
+                        "within it (default: what is available now)")
+    g.add_argument("--calibration", default=None, metavar="FILE",
+                   help="machine calibration for auto and the predictions (default: this "
+                        "machine's, measured on first use; see python -m flexevict.calibrate)")
 
 
-def placement_from_args(args):
+def _int_or_auto(v: str):
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got '{v}'") from None
+
+
+def _bool_or_auto(v: str):
+    return v if v == "auto" else str2bool(v)
+
+
+PLACEMENT_FLAGS = ("percent", "gpu_batch_size", "num_gpu_batches", "compress_weight",
+                   "compress_cache", "cpu_cache_compute")
+
+
+def has_auto(args) -> bool:
+    """Whether any placement flag says auto."""
+    return any(getattr(args, f) == "auto" or getattr(args, f) == ["auto"]
+               for f in PLACEMENT_FLAGS)
+
+
+def placement_from_args(args, config=None, lengths: tuple | None = None, device=None,
+                        dtype=None, max_batch: int | None = None):
     """The placement the flags describe; an unwritable --offload-dir is reported now, before
-    any weight is read."""
+    any weight is read.
+
+    Flags that say `auto` are chosen by the cost model's search (plan.resolve_auto) for runs of
+    lengths = (prompt_len, gen_len) tokens. A caller that does not know its lengths yet (generate
+    and eval build the model before reading their input) gets a plan for the longest run the
+    model allows: the model's maximum positions, with --max-new-tokens of them generated (a
+    conservative choice: a smaller batch or more offloading than shorter prompts need). With
+    auto, --gpu-batch-size 0 (generate's "unset") is auto too."""
     from . import rundir
     from .placement import Placement
-    placement = Placement.from_percent(
-        args.percent, gpu_batch_size=args.gpu_batch_size, num_gpu_batches=args.num_gpu_batches,
-        overlap=args.overlap, sep_layer=args.sep_layer, pin_weight=args.pin_weight,
-        cpu_cache_compute=args.cpu_cache_compute, compress_weight=args.compress_weight,
-        compress_cache=args.compress_cache, offload_dir=args.offload_dir)
+    _check_percent(args.percent)
+    if has_auto(args):
+        placement = _resolve(args, config, lengths, device, dtype, max_batch)
+    else:
+        placement = Placement.from_percent(
+            [int(x) for x in args.percent], gpu_batch_size=args.gpu_batch_size,
+            num_gpu_batches=args.num_gpu_batches, overlap=args.overlap,
+            sep_layer=args.sep_layer, pin_weight=args.pin_weight,
+            cpu_cache_compute=args.cpu_cache_compute, compress_weight=args.compress_weight,
+            compress_cache=args.compress_cache, offload_dir=args.offload_dir)
     if placement.uses_disk:
         rundir.check_writable(placement.offload_dir)
+    return placement
+
+
+def _check_percent(percent):
+    if list(percent) == ["auto"]:
+        return
+    if len(percent) != 6:
+        raise UserError(f"--percent takes six integers (weights, cache, activations on GPU "
+                        f"and CPU) or auto, got {len(percent)} value(s)")
+    for x in percent:
+        try:
+            int(x)
+        except (TypeError, ValueError):
+            raise UserError(f"--percent: '{x}' is not an integer; give six integers or "
+                            "auto") from None
+
+
+def _resolve(args, config, lengths, device, dtype, max_batch):
+    """placement_from_args' auto path: fill in what the caller did not pass."""
+    from .api import DTYPES, resolve_device, resolve_model
+    from .plan import resolve_auto
+    if config is None:
+        config, _ = resolve_model(args.model, args.path)
+    if device is None:
+        device = resolve_device(getattr(args, "device", None))
+    if dtype is None:
+        name = getattr(args, "dtype", None) or ("float32" if device.type == "cpu" else "float16")
+        dtype = DTYPES[name]
+    if lengths is None:
+        gen = max(getattr(args, "max_new_tokens", None) or 1, 1)
+        lengths = (max(config.max_positions - gen + 1, 1), gen)
+    placement, _ = resolve_auto(args, config, lengths[0], lengths[1], device, dtype, max_batch)
     return placement
 
 
@@ -148,39 +234,14 @@ def read_text(path: str) -> str:
 
 
 def read_jsonl_prompts(path: str) -> list[dict]:
-    """Lines `{"id": ..., "prompt": "..."}` -> rows, each with its 1-based `_line`.
+    """Lines `{"id": ..., "prompt": "..."}` -> rows, each with its 1-based `_line` (all at
+    once: eval's small prompt files; `generate --input` streams, see flexevict/jobs).
 
     Every problem names the file and line (and the id): malformed JSON, a missing, empty or
     whitespace-only prompt, and a duplicate id (with both lines). Rows without an id are
     numbered by their line."""
-    if not os.path.isfile(path):
-        raise UserError(f"{path}: input file does not exist")
-    rows, seen = [], {}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: malformed JSON line ({e.msg}); expected "
-                                '{"id": ..., "prompt": "..."}') from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise UserError(f'{path}:{n}: line needs a string "prompt" field')
-            rid = row.get("id", n)
-            where = f"{path}:{n} (id {json.dumps(rid)})"
-            if not row["prompt"].strip():
-                what = "empty" if not row["prompt"] else "whitespace-only"
-                raise UserError(f"{where}: {what} prompt; give every line some text")
-            key = json.dumps(rid, sort_keys=True)
-            if key in seen:
-                raise UserError(f"{where}: duplicate id, first used on line {seen[key]}; give "
-                                "every line its own id")
-            seen[key] = n
-            rows.append({**row, "_line": n})
-    if not rows:
-        raise UserError(f"{path}: input file has no prompts")
-    return rows
+    from .jobs.inputs import read_all
+    return read_all(path)
 
 
 def check_prompt_lengths(rows: list[dict], encoded: list[list[int]], config,
@@ -208,24 +269,7 @@ def check_prompts(args, rows: list[dict], max_new_tokens: int, path: str = "--pr
                          path)
 
 
-def without_line(row: dict) -> dict:
-    """An input row as the user wrote it (read_jsonl_prompts adds `_line`)."""
-    return {k: v for k, v in row.items() if k != "_line"}
-
-
 def _where(row: dict, path: str) -> str:
     if "_line" not in row:
         return path
     return f"{path}:{row['_line']} (id {json.dumps(row.get('id', row['_line']))})"
-
-
-def write_jsonl_atomic(path: str, rows: list[dict]):
-    """Write to `path.partial` and rename when complete, so a crash leaves no complete-looking file."""
-    tmp = path + ".partial"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        raise UserError(f"{path}: cannot write output ({e.strerror})") from None

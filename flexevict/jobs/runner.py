@@ -1,0 +1,173 @@
+"""A batch job from start to end: check the input, resume from the state folder, run the
+missing blocks (here, or on Ray workers), assemble the output in input order, summarize.
+
+Test hook: FLEXEVICT_JOB_TEST_SIGNAL=NAME:WHERE:K (e.g. KILL:after-commit:2) makes the process
+send itself SIGNAME at WHERE (before-commit: the block is generated but not yet committed;
+after-commit: just after) of the K-th block it commits, so the tests can stop a job at an exact
+point. Unset in normal use.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from ..errors import Terminated, UserError
+from ..progress import Progress
+from .blocks import plan_window, run_block
+from .inputs import read_window, scan
+from .spec import JobSpec
+from .state import JobState, paths_for, write_atomic
+
+TEST_SIGNAL = "FLEXEVICT_JOB_TEST_SIGNAL"
+
+
+def run_job(spec: JobSpec, restart: bool = False, ray: str | None = None,
+            workers: int = 1) -> dict | None:
+    """Run (or continue) the job -> its summary (also written to out.summary.json); None when
+    the output is already complete."""
+    start = time.monotonic()
+    paths = paths_for(spec.output)
+    found = _check_input(spec, paths)
+    manifest = {"version": 1, "input": found.identity, "settings": spec.settings()}
+    if not restart and _already_complete(spec.output, paths, manifest):
+        print(f"{spec.output} is complete (same input and settings); nothing to do. Add "
+              "--restart to generate it again", file=sys.stderr)
+        return None
+    state = JobState(spec.output)
+    llm = None
+    try:
+        resumed = state.open(manifest, restart)
+        if resumed:
+            print(f"resuming {spec.output}: {resumed} of {found.rows} rows were committed "
+                  "earlier", file=sys.stderr)
+        if resumed < found.rows and ray is None:
+            llm = spec.llm(progress=True)
+        with Progress(found.rows - resumed, "generating", "prompt", "generated tokens") as bar:
+            commit = Committer(state, bar)
+            try:
+                if llm is not None:
+                    _run_here(spec, found, state, commit, llm)
+                elif resumed < found.rows:
+                    from .ray_job import run_on_ray
+                    run_on_ray(spec, found, state, commit, ray, workers)
+            except (KeyboardInterrupt, Terminated):
+                print(f"stopped: {resumed + commit.rows} of {found.rows} rows are committed in "
+                      f"{state.folder}; rerun the same command to continue", file=sys.stderr)
+                raise
+        totals = state.assemble(found.rows)
+        summary = _summary(spec, paths, manifest, found, totals, commit, resumed,
+                           time.monotonic() - start, ray, workers)
+        write_atomic(paths["summary"], json.dumps(summary, indent=1) + "\n")
+        state.remove()
+    finally:
+        if llm is not None:
+            llm.close()
+        state.close()
+    return summary
+
+
+def _check_input(spec: JobSpec, paths: dict):
+    """The validating pre-pass: every row checked before the model loads. With --on-error
+    skip, rows that cannot run go to out.errors.jsonl (id, line, reason) instead."""
+    prompter = spec.prompter()
+    if spec.on_error == "fail":
+        found = scan(spec.input, prompter, spec.window_rows, spec.chat)
+        if os.path.exists(paths["errors"]):       # a stale list from an earlier skip run
+            os.remove(paths["errors"])
+        return found
+    tmp = paths["errors"] + ".partial"
+    try:
+        with open(tmp, "w", encoding="utf-8") as errors:
+            found = scan(spec.input, prompter, spec.window_rows, spec.chat, on_error=lambda e:
+                         errors.write(json.dumps(e.as_record(), ensure_ascii=False) + "\n"))
+        os.replace(tmp, paths["errors"])
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    if not found.rows:
+        raise UserError(f"{spec.input}: every row failed ({found.failed}); see {paths['errors']}")
+    return found
+
+
+def _already_complete(output: str, paths: dict, manifest: dict) -> bool:
+    """The output exists, no run of the job is under way, and the summary says it was made
+    from this input with these settings."""
+    if os.path.exists(paths["state"]) or not os.path.isfile(output):
+        return False
+    try:
+        with open(paths["summary"], encoding="utf-8") as f:
+            return json.load(f).get("manifest") == manifest
+    except (OSError, ValueError):
+        return False
+
+
+class Committer:
+    """Commits finished blocks to the state folder, timing each commit and moving the bar."""
+
+    def __init__(self, state: JobState, bar: Progress):
+        self.state, self.bar = state, bar
+        self.seconds: list[float] = []
+        self.rows = self.tokens = 0
+
+    def __call__(self, w: int, b: int, n: int, record: dict):
+        _test_signal("before-commit", len(self.seconds) + 1)
+        self.seconds.append(self.state.commit(w, b, n, record))
+        tokens = sum(r["out"]["tokens"] for r in record["rows"])
+        self.rows += len(record["rows"])
+        self.tokens += tokens
+        self.bar.update(len(record["rows"]), tokens)
+        _test_signal("after-commit", len(self.seconds))
+
+
+def _run_here(spec: JobSpec, found, state: JobState, commit: Committer, llm):
+    """The single-machine path: windows in input order, their missing blocks one by one."""
+    prompter, done, complete = spec.prompter(), state.committed(), state.complete_windows()
+    for w, win in enumerate(found.windows):
+        if w not in complete:
+            _run_window(spec, w, win, prompter, done.get(w, set()), commit, llm)
+
+
+def _run_window(spec: JobSpec, w: int, win, prompter, done: set, commit: Committer, llm):
+    """One window: read, blocked, its missing blocks run and committed (its rows are freed on
+    return, so at most one window of rows is ever held)."""
+    blocks = plan_window(read_window(spec.input, win, spec.window_rows, prompter, spec.chat), spec)
+    for b, block in enumerate(blocks):
+        if b not in done:
+            commit(w, b, len(blocks), run_block(llm, spec, block))
+
+
+def _summary(spec, paths, manifest, found, totals, commit, resumed, wall, ray, workers) -> dict:
+    gen_s, times = totals["generate_seconds"], commit.seconds
+    return {
+        "output": spec.output, "input": spec.input, "model": spec.model,
+        "errors": paths["errors"] if found.failed else None,
+        "rows": found.rows + found.failed, "completed_rows": found.rows,
+        "failed_rows": found.failed, "rows_resumed": resumed,
+        "prompt_tokens": totals["prompt_tokens"], "generated_tokens": totals["generated_tokens"],
+        "blocks": totals["blocks"],
+        "generate_seconds": gen_s,
+        "generated_tokens_per_second": totals["generated_tokens"] / gen_s if gen_s else None,
+        "this_run": {"rows": commit.rows, "generated_tokens": commit.tokens,
+                     "wall_seconds": wall,
+                     "generated_tokens_per_second": commit.tokens / wall if wall else None},
+        "commit_seconds": {"blocks": len(times), "total": sum(times),
+                           "mean": sum(times) / len(times) if times else None,
+                           "max": max(times, default=None)},
+        "policy": {"name": spec.policy.name, "budget": spec.policy.budget,
+                   "budget_tokens": spec.policy.budget_tokens, "args": dict(spec.policy.args)},
+        "resolved": totals["resolved"], "placement": spec.placement.describe(),
+        "device": spec.device, "ray": None if ray is None else {"address": ray, "workers": workers},
+        "manifest": manifest,
+    }
+
+
+def _test_signal(where: str, count: int):
+    want = os.environ.get(TEST_SIGNAL)
+    if want:
+        name, at, k = want.split(":")
+        if at == where and int(k) == count:
+            os.kill(os.getpid(), getattr(signal, "SIG" + name))
+            time.sleep(1)           # the handler runs here (SIGKILL never returns)

@@ -1,0 +1,94 @@
+"""What a batch job is: its input and output, the model and how it runs, as one picklable value
+(the Ray workers get a copy), and the settings its outputs depend on (kept in the manifest)."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+from ..generation import Sampling
+from ..placement import Placement
+from ..policies import PolicySpec
+
+DEFAULT_WINDOW_BLOCKS = 16      # look-ahead window, in blocks, when --window is not given
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    input: str
+    output: str
+    model: str                   # as given: registry name, HF folder or .gguf
+    path: str | None             # --path
+    weights: str                 # the resolved weight path (or _DUMMY_)
+    device: str
+    dtype: str | None
+    seed: int
+    placement: Placement
+    policy: PolicySpec
+    sampling: Sampling
+    max_new_tokens: int
+    chat: bool = False
+    window: int = 0              # rows; 0: DEFAULT_WINDOW_BLOCKS blocks
+    on_error: str = "fail"
+    threads: int | None = None
+
+    @property
+    def block_size(self) -> int:
+        """FlexGen's effective batch: gpu_batch_size x num_gpu_batches sequences."""
+        p = self.placement
+        return p.gpu_batch_size * p.num_gpu_batches
+
+    @property
+    def window_rows(self) -> int:
+        return self.window or DEFAULT_WINDOW_BLOCKS * self.block_size
+
+    def settings(self) -> dict:
+        """Everything a completion depends on, by flag name: a resumed run must match. Where
+        weights, cache and activations live (--percent), overlap, pinning and --offload-dir do
+        not change a single output, so a rerun may change them."""
+        p, s = self.placement, self.sampling
+        model = os.path.abspath(self.model) if os.path.exists(self.model) else self.model
+        weights = os.path.abspath(self.weights) if os.path.exists(self.weights) else self.weights
+        return {
+            "--model": model, "--path": weights, "--device": self.device, "--dtype": self.dtype,
+            "--seed": self.seed, "--policy": self.policy.name, "--budget": self.policy.budget,
+            "--budget-tokens": self.policy.budget_tokens,
+            "--policy-arg": [f"{k}={v}" for k, v in self.policy.args],
+            "--temperature": None if s.is_greedy else s.temperature,
+            "--top-p": None if s.is_greedy else s.top_p,
+            "--top-k": None if s.is_greedy else s.top_k,
+            "--max-new-tokens": self.max_new_tokens, "--chat": self.chat,
+            "--gpu-batch-size": p.gpu_batch_size, "--num-gpu-batches": p.num_gpu_batches,
+            "--window": self.window_rows, "--compress-weight": p.compress_weight,
+            "--compress-cache": p.compress_cache, "--cpu-cache-compute": p.cpu_cache_compute,
+        }
+
+    def llm(self, progress: bool = False):
+        """Load the model as this job runs it."""
+        from ..api import LLM
+        return LLM(self.model, path=self.path, device=self.device, dtype=self.dtype,
+                   seed=self.seed, progress=progress, placement=self.placement)
+
+    def prompter(self):
+        """Tokenizer, chat template and length check, without loading any weight."""
+        return _prompter(self.model, self.path, self.max_new_tokens, self.chat, self.policy)
+
+    def row_seed(self, rid) -> int:
+        """A row's sampling seed, from --seed and its id only (not its block or position)."""
+        text = f"{self.seed}\0{json.dumps(rid, sort_keys=True)}".encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+
+
+@functools.lru_cache(maxsize=4)
+def _prompter(model: str, path: str | None, max_new_tokens: int, chat: bool, policy):
+    """Cached: a Ray worker process reads the tokenizer once for all its windows."""
+    from ..api import resolve_model
+    from ..tokenizer import load_tokenizer
+    from .chat import load_chat_template
+    from .inputs import Prompter
+    config, weights = resolve_model(model, path)
+    template = load_chat_template(weights, model) if chat else None
+    return Prompter(load_tokenizer(weights), config.max_positions, max_new_tokens, template,
+                    policy.make())

@@ -1,0 +1,89 @@
+"""The batch job on Ray Data (`--ray auto --workers N`) on a local 2-CPU cluster of CPU workers:
+the same bytes as the single-machine path with 1 or 2 workers, every id exactly once when a
+worker process dies mid-job, and a job stopped on one machine finished on Ray."""
+import json
+import os
+
+import pytest
+
+try:
+    import ray
+    import ray.data  # noqa: F401
+except ImportError:
+    pytest.skip('Ray Data not installed: pip install "ray[data]==2.60.0" (tests/run.sh does)',
+                allow_module_level=True)
+
+from flexevict.generate import main
+from test_batch_job import ROWS, job, write_rows
+from test_cli import tiny_dir  # noqa: F401 (fixture)
+
+FLAGS = ["--max-new-tokens", "6", "--threads", "1", "--gpu-batch-size", "3",
+         "--num-gpu-batches", "2", "--window", "12"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two CPUs, both taken by two engine actors: the window readers must still run."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_output(tmp_path_factory, tiny_dir):  # noqa: F811
+    d = tmp_path_factory.mktemp("local")
+    write_rows(d / "in.jsonl", ROWS)
+    main(["--model", tiny_dir, "--input", str(d / "in.jsonl"), "--output", str(d / "out.jsonl"),
+          *FLAGS])
+    return (d / "out.jsonl").read_bytes()
+
+
+def run_on_ray(tmp_path, model, workers, out="out.jsonl"):
+    main(["--model", model, "--input", str(tmp_path / "in.jsonl"), "--output",
+          str(tmp_path / out), *FLAGS, "--ray", "auto", "--workers", str(workers)])
+    return (tmp_path / out).read_bytes()
+
+
+def test_one_or_two_workers_match_the_local_path(cluster, tmp_path, tiny_dir,  # noqa: F811
+                                                 local_output):
+    write_rows(tmp_path / "in.jsonl", ROWS)
+    assert run_on_ray(tmp_path, tiny_dir, 1, "one.jsonl") == local_output
+    assert run_on_ray(tmp_path, tiny_dir, 2, "two.jsonl") == local_output
+    summary = json.loads((tmp_path / "two.summary.json").read_text())
+    assert summary["ray"] == {"address": "auto", "workers": 2}
+    assert not os.path.exists(tmp_path / "two.jsonl.state")
+
+
+def test_a_worker_killed_mid_job_still_gives_every_id_once(  # noqa: F811
+        cluster, tmp_path, tiny_dir, local_output, monkeypatch):
+    """The first worker to see the flag file deletes it and exits its process on its first
+    block; Ray restarts the actor and retries the block."""
+    write_rows(tmp_path / "in.jsonl", ROWS)
+    flag = tmp_path / "crash-once"
+    flag.write_text("")
+    monkeypatch.setenv("FLEXEVICT_JOB_TEST_CRASH_FLAG", str(flag))
+    got = run_on_ray(tmp_path, tiny_dir, 2)
+    assert not flag.exists()                          # a worker really died
+    ids = [json.loads(line)["id"] for line in got.splitlines()]
+    assert ids == [r["id"] for r in ROWS]
+    assert got == local_output
+
+
+def test_a_job_stopped_here_finishes_on_ray(cluster, tmp_path, tiny_dir,  # noqa: F811
+                                            local_output):
+    """Both paths use the same commit log: kill -9 a local run after 2 blocks, rerun on Ray."""
+    write_rows(tmp_path / "in.jsonl", ROWS)
+    proc = job(tmp_path, tiny_dir, env={"FLEXEVICT_JOB_TEST_SIGNAL": "KILL:after-commit:2"})
+    assert proc.returncode == -9
+    assert run_on_ray(tmp_path, tiny_dir, 2) == local_output
+    summary = json.loads((tmp_path / "out.summary.json").read_text())
+    assert summary["rows_resumed"] == 12 and summary["this_run"]["rows"] == len(ROWS) - 12
+
+
+def test_more_workers_than_the_cluster_holds_is_refused(cluster, tmp_path, tiny_dir,  # noqa: F811
+                                                        capsys):
+    write_rows(tmp_path / "in.jsonl", ROWS[:4])
+    with pytest.raises(SystemExit) as exit_:
+        run_on_ray(tmp_path, tiny_dir, 3)
+    assert exit_.value.code == 2
+    assert "--workers 3 needs 3 CPUs on the Ray cluster, which has 2" in capsys.readouterr().err
