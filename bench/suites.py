@@ -6,6 +6,7 @@ the case's own), peers side by side in the same run.
     python bench/suites.py h2o              # H2O's table on a GPU (h2o 20% vs full)
     python bench/suites.py h2o-policies     # buzz, cascade, hashevict, vatp at 20%, OPT-6.7B 2048+2048
     python bench/suites.py bound            # weights streamed from CPU vs the PCIe bound
+    python bench/suites.py placement-cpu    # the cost model: predicted vs measured, auto placement
     python bench/suites.py --list
     python bench/suites.py gpu --dry-run    # the first GPU run: three device calls (README)
     python bench/suites.py gpu --call N --out DIR
@@ -38,6 +39,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
+PLACEMENT_RESULTS = os.path.join(RESULTS, "placement")
 # the GPU plan starts before the package is installed: then it is imported from the source tree
 sys.path.append(ROOT)
 
@@ -137,7 +139,34 @@ def suite_bound():
             for m in ("opt-6.7b", "opt-13b") for b in (8, 32)]
 
 
-SUITES = {"cpu": suite_cpu, "flexgen": suite_flexgen, "h2o": suite_h2o,
+# --cpu-mem-limit (GiB) of the placement suite's tight cases: below what the all-in-memory setting
+# of the CPU suite holds (about 1.0 GiB for both models), above what weights on disk hold
+PLACEMENT_LIMIT_GB = 0.8
+AUTO_FLAGS = ["--compress-weight", "auto", "--compress-cache", "auto", "--cpu-cache-compute", "auto"]
+
+
+def suite_placement_cpu():
+    """The CPU suite at --threads 1, each result with the cost model's prediction; then per
+    model and policy --percent auto (every switch auto) at the suite's batch, with no memory
+    limit and under --cpu-mem-limit PLACEMENT_LIMIT_GB (bench/results/placement/)."""
+    smol = _packaged_smollm2()
+    cases = [{**c, "argv": c["argv"] + ["--threads", "1"], "peer": None} for c in suite_cpu()]
+    for model, path in (("smollm2-135m", smol), ("opt-125m", None)):
+        extra = ["--device", "cpu", "--threads", "1"] + (["--path", path] if path else [])
+        cases.append(case(f"{model}-weights-disk-h2o-0.2", model, 128, 32, "0 0 100 0 100 0", 4,
+                          2, extra, policy=("h2o", 0.2)))     # hand-written, fits the limit
+        for pol in (("full",), ("h2o", 0.2)):
+            tag = "-".join(map(str, pol))
+            cases.append(case(f"{model}-auto-{tag}", model, 128, 32, "auto", 4, 2,
+                              extra + AUTO_FLAGS, policy=pol))
+            cases.append(case(f"{model}-auto-{tag}-limit", model, 128, 32, "auto", 4, 2,
+                              extra + AUTO_FLAGS + ["--cpu-mem-limit", str(PLACEMENT_LIMIT_GB)],
+                              policy=pol))
+    return cases
+
+
+SUITES = {"cpu": suite_cpu, "placement-cpu": suite_placement_cpu, "flexgen": suite_flexgen,
+          "h2o": suite_h2o,
           "h2o-policies": suite_h2o_policies, "bound": suite_bound}
 
 
@@ -539,6 +568,9 @@ def main(argv=None):
                     help="run N decode steps of every selected case and project the rest")
     ap.add_argument("--out", default=None, help=f"results folder (default {RESULTS})")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the summary here")
+    ap.add_argument("--repeat", type=int, default=3, metavar="N",
+                    help="placement-cpu: run every case N times, rounds over all cases, and "
+                         "compare the best run of each (default 3)")
     ap.add_argument("--call", type=int, choices=sorted(GPU_CALLS), help="gpu: which device call")
     ap.add_argument("--dry-run", action="store_true", help="gpu: print the plan, run nothing")
     ap.add_argument("--so", default=None, metavar="PATH",
@@ -553,6 +585,10 @@ def main(argv=None):
                     print(f"{n}/{c['name']}: python -m flexevict.bench {' '.join(c['argv'])}"
                           + (f"   [peer: {c['peer']['kind']}]" if c["peer"] else ""))
             return
+        if args.suite == "placement-cpu":
+            from placement_table import run_placement_suite
+            return run_placement_suite(select(args), args.out or PLACEMENT_RESULTS,
+                                       args.repeat)
         run_suite(args.suite, select(args), args.out or RESULTS, args.json)
 
 

@@ -3,6 +3,7 @@ impossible setting gets the estimate and the setting to change instead of a trac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -28,6 +29,34 @@ class _MetaSource:
         return torch.empty(self.shapes[name], device="meta", dtype=dtype)
 
 
+def stage_weights(config, sep_layer: bool) -> list[list[tuple]]:
+    """The weights each schedule layer reads, in declaration order (absent biases left out),
+    computed once per config: [[(name, shape), ...] per stage of stages_for]."""
+    key = ("stages", shape_key(config), sep_layer)
+    if key not in _CACHE:
+        src = _MetaSource(config)
+        outer = load_outer_weights(config, src, "meta", torch.float16)
+        layer = load_layer_weights(config, src, 0, "meta", torch.float16)   # every layer alike
+        _CACHE[key] = [
+            [(name, tuple(t.shape)) for name, t in
+             split_weights(s, layer if s.layer >= 0 else {}, outer).items() if t is not None]
+            for s in stages_for(config.num_layers, sep_layer)]
+    return _CACHE[key]
+
+
+_CACHE: dict = {}      # per model shape: stage weights, and weight bytes per placement
+
+
+def shape_key(config) -> str:
+    """Every field that decides the weights' shapes (a config's `extra` dict can be shared by
+    copies made with dataclasses.replace, so it cannot key a cache)."""
+    return repr([getattr(config, f.name) for f in dataclasses.fields(config) if f.compare])
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
 class MemoryPlan:
     """Estimated bytes per tier for one run: n sequences of prompt_len + gen_len tokens with
     `slots` KV slots per (sequence, layer, kv head)."""
@@ -44,26 +73,31 @@ class MemoryPlan:
 
     def weight_bytes(self, pinned: bool = False) -> tuple[dict, int]:
         """-> (bytes per tier, the largest schedule layer's streamed bytes); a pinned cpu tier
-        counts whole pages per tensor, as it locks them (offload.pinned_size)."""
-        c, p, src = self.config, self.placement, _MetaSource(self.config)
-        tiers, largest = {"gpu": 0, "cpu": 0, "disk": 0}, 0
-        outer = load_outer_weights(c, src, "meta", self.dtype)
-        layer = load_layer_weights(c, src, 0, "meta", self.dtype)     # every layer alike
-        for s in stages_for(c.num_layers, p.sep_layer):
-            w = {k: t for k, t in split_weights(s, layer if s.layer >= 0 else {}, outer).items()
-                 if t is not None}
-            streamed = 0
-            for t, tier in zip(w.values(), p.weight_tiers([t.numel() for t in w.values()])):
-                tiers[tier] += host_bytes(self._stored(t), pinned and tier == "cpu")
-                streamed += t.numel() * self.elem if tier != "gpu" else 0
-            largest = max(largest, streamed)
-        return tiers, largest
+        counts whole pages per tensor, as it locks them (offload.pinned_size). Streamed: what
+        the engine copies to the compute device per use, at full size (offloaded weights, and
+        compressed ones on any tier: they are decompressed on use)."""
+        p = self.placement
+        key = ("weights", shape_key(self.config), p.w_gpu, p.w_cpu, p.compress_weight,
+               p.sep_layer, pinned, self.elem)
+        if key not in _CACHE:         # the search asks for a few over and over
+            tiers, largest = {"gpu": 0, "cpu": 0, "disk": 0}, 0
+            for stage in stage_weights(self.config, p.sep_layer):
+                shapes = [shape for _, shape in stage]
+                streamed = 0
+                for shape, tier in zip(shapes, p.weight_tiers([_numel(s) for s in shapes])):
+                    tiers[tier] += host_bytes(self._stored(shape), pinned and tier == "cpu")
+                    if tier != "gpu" or (p.compress_weight and len(shape) == 2):
+                        streamed += _numel(shape) * self.elem
+                largest = max(largest, streamed)
+            _CACHE[key] = (tiers, largest)
+        tiers, largest = _CACHE[key]
+        return dict(tiers), largest
 
-    def _stored(self, t) -> list[int]:
+    def _stored(self, shape) -> list[int]:
         """Bytes of the tensors one weight is stored as: itself, or its 4-bit parts."""
-        if self.placement.compress_weight and t.dim() == 2:
-            return self._packed(t.shape[0], t.shape[1])
-        return [t.numel() * self.elem]
+        if self.placement.compress_weight and len(shape) == 2:
+            return self._packed(shape[0], shape[1])
+        return [_numel(shape) * self.elem]
 
     def _packed(self, outer: int, last: int) -> list[int]:
         """4-bit parts (codes, min, scale) of outer rows of `last` values, groups of 64."""
@@ -87,50 +121,143 @@ class MemoryPlan:
 
     def needs(self, device=None) -> dict:
         """Estimated bytes in each tier: homes plus the compute device's working set (on
-        `device`; None: a CUDA device, with the cpu tier pinned if the placement asks)."""
-        c, p, pinned = self.config, self.placement, self.pinned(device)
+        `device`; None: a CUDA device, with the cpu tier pinned if the placement asks). The sum
+        of three parts that each depend on one part of the placement (the search adds them up
+        for many placements without rebuilding a plan per placement)."""
+        pinned = self.pinned(device)
+        parts = (self.weight_part(pinned), self.cache_part(pinned), self.activation_part(pinned))
+        return {t: sum(part[t] for part in parts) for t in ("gpu", "cpu", "disk")}
+
+    def weight_part(self, pinned: bool) -> dict:
+        """Weights' homes, and the two streamed layers' working copies on the device."""
         tiers, streamed = self.weight_bytes(pinned)
-        for tier, b in zip(p.cache_tiers(len(self.sizes)), self.sizes):
+        tiers["gpu"] += 2 * streamed
+        return tiers
+
+    def cache_part(self, pinned: bool) -> dict:
+        """The KV homes, and the pool of working buffers each tier that computes on a copy of
+        a home holds (engine._load_cache: every GPU batch whose home is not used in place)."""
+        c, p = self.config, self.placement
+        tiers = {"gpu": 0, "cpu": 0, "disk": 0}
+        homes = p.cache_tiers(len(self.sizes))
+        for tier, b in zip(homes, self.sizes):
             tiers[tier] += c.num_layers * self._buffer_bytes(b, p.compress_cache,
                                                               pinned and tier == "cpu")
+        for work in {work_tier(p, t) for t in homes if not in_place(p, t)}:
+            tiers[work] += POOL * self._buffer_bytes(max(self.sizes), False)
+        return tiers
+
+    def activation_part(self, pinned: bool) -> dict:
+        """A layer's activations and prompt scores, the GPU batches' hidden states (or their
+        parked copies on the CPU), and the logits."""
+        c, p, s = self.config, self.placement, self.prompt_len
         gbs = max(self.sizes)
-        staged = p.compress_cache or p.cache_gpu < 100
-        on_cpu = p.cpu_cache_compute and p.cache_gpu == 0 and not p.compress_cache
-        work = POOL * self._buffer_bytes(gbs, False) if staged and not on_cpu else 0
-        s = self.prompt_len
         act = gbs * s * (6 * c.hidden_size + 2 * c.ffn_size) * self.elem
         attn = 2 * gbs * c.num_heads * min(s, 256) * s * 4          # blockwise prompt scores
         hidden = len(self.sizes) * gbs * s * c.hidden_size * self.elem if p.act_gpu else 0
-        tiers["gpu"] += 2 * streamed + work + act + attn + hidden + gbs * c.vocab_size * 4
+        tiers = {"gpu": act + attn + hidden + gbs * c.vocab_size * 4, "cpu": 0, "disk": 0}
         if not p.act_gpu:      # each batch's parked hidden states, and the one being parked
             parked = park_bytes(gbs * s * c.hidden_size * self.elem, pinned)
             tiers["cpu"] += (len(self.sizes) + 1) * parked
         return tiers
 
-    def check(self, device: torch.device, gpu_limit: int | None) -> None:
+    def host_need(self, device, baseline: int = 0) -> int:
+        """Host memory the run holds: the cpu tier, the gpu tier too when the compute device is
+        the CPU, plus `baseline` (the process before loading: interpreter, torch)."""
+        return host_need(self.needs(device), device, baseline)
+
+    def overflow(self, device, gpu_limit: int | None, cpu_limit: int | None,
+                 disk_free: int | None = None, baseline: int = 0) -> tuple | None:
+        """The first limit this run exceeds -> (resource, bytes needed, bytes allowed), or None
+        when it fits (see `overflow`)."""
+        return overflow(self.needs(device), device, gpu_limit, cpu_limit, disk_free, baseline)
+
+    def check(self, device: torch.device, gpu_limit: int | None,
+              cpu_limit: int | None = None) -> None:
+        """Raise the one-line advice if the run cannot fit: the GPU limit, --cpu-mem-limit
+        (counting this process's memory so far, `process_anon`), the memory available now,
+        and the free disk under --offload-dir."""
         need = self.needs(device)
-        if device.type == "cuda" and need["gpu"] > gpu_limit:
+        if device.type == "cuda" and gpu_limit is not None and need["gpu"] > gpu_limit:
             raise UserError(self._message("GPU", need, gpu_limit))
         host = need["cpu"] + (need["gpu"] if device.type == "cpu" else 0)
+        if cpu_limit is not None and host + process_anon() > cpu_limit:
+            raise UserError(self._message("CPU", need, cpu_limit, host + process_anon(),
+                                          "--cpu-mem-limit"))
         available = _mem_available()
         if available is not None and host > available:
             raise UserError(self._message("CPU", need, available, host))
         if need["disk"]:
             rundir.check_writable(self.placement.offload_dir)
-            free = shutil.disk_usage(_existing_parent(self.placement.offload_dir)).free
+            free = disk_free(self.placement.offload_dir)
             if need["disk"] > free:
                 raise UserError(f"not enough disk: about {need['disk'] / GIB:.1f} GiB needed under "
                                 f"--offload-dir but {free / GIB:.1f} GiB free; choose another "
                                 "--offload-dir or keep more on the CPU (--percent)")
 
-    def _message(self, what: str, need: dict, have: int, total: int | None = None) -> str:
+    def _message(self, what: str, need: dict, have: int, total: int | None = None,
+                 limit: str | None = None) -> str:
         p = self.placement
         total = need["gpu"] if total is None else total
+        where = f"the {limit} of {have / GIB:.1f} GiB" if limit else \
+            f"{have / GIB:.1f} GiB are available"
         return (f"out of {what} memory: {self.config.name} with {len(self.sizes)} GPU batch(es) "
                 f"of {max(self.sizes)} at --percent {' '.join(map(str, p.percent))} needs about "
-                f"{total / GIB:.1f} GiB of {what} memory but {have / GIB:.1f} GiB are available; "
+                f"{total / GIB:.1f} GiB of {what} memory but {where}; "
                 "move weights or cache to a lower tier with --percent, lower --gpu-batch-size / "
                 "--num-gpu-batches or --budget, or add --compress-weight / --compress-cache")
+
+
+def in_place(p, tier: str) -> bool:
+    """Whether decode computes on a cache home of `tier` itself (engine._load_cache): on the
+    GPU, or with --cpu-cache-compute on the CPU; never a compressed one."""
+    return (tier == "gpu" or (tier == "cpu" and p.cpu_cache_compute)) and not p.compress_cache
+
+
+def work_tier(p, tier: str) -> str:
+    """Where attention over a cache home of `tier` runs (engine._work_tier)."""
+    return "cpu" if p.cpu_cache_compute and tier in ("cpu", "disk") else "gpu"
+
+
+def host_need(need: dict, device, baseline: int = 0) -> int:
+    """Host memory of a run needing `need` bytes per tier (MemoryPlan.needs): the cpu tier, the
+    gpu tier too when the compute device is the CPU, and `baseline` (the process before it
+    loads anything: interpreter, torch)."""
+    return baseline + need["cpu"] + (need["gpu"] if torch.device(device).type == "cpu" else 0)
+
+
+def overflow(need: dict, device, gpu_limit: int | None, cpu_limit: int | None,
+             disk_free: int | None = None, baseline: int = 0) -> tuple | None:
+    """The first limit a run needing `need` bytes per tier exceeds -> (resource, bytes needed,
+    bytes allowed), or None when it fits. resource is "GPU" (the compute device's memory, CUDA
+    only), "CPU" (host memory, `host_need`) or "disk" (under --offload-dir); a None limit is no
+    limit."""
+    if torch.device(device).type == "cuda" and gpu_limit is not None and need["gpu"] > gpu_limit:
+        return "GPU", need["gpu"], gpu_limit
+    host = host_need(need, device, baseline)
+    if cpu_limit is not None and host > cpu_limit:
+        return "CPU", host, cpu_limit
+    if disk_free is not None and need["disk"] > disk_free:
+        return "disk", need["disk"], disk_free
+    return None
+
+
+def disk_free(offload_dir: str) -> int:
+    """Free bytes on the file system that holds (or will hold) offload_dir."""
+    return shutil.disk_usage(_existing_parent(offload_dir)).free
+
+
+def process_anon() -> int:
+    """Anonymous memory this process holds now (RssAnon; 0 without /proc): the baseline a
+    --cpu-mem-limit counts besides the run's tiers."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0
 
 
 @contextlib.contextmanager

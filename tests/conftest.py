@@ -1,9 +1,16 @@
 """Shared fixtures: tiny random HF models saved to disk, and the packaged SmolLM2 (engine + HF)."""
 import os
+import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"          # never touch the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# the placement cost model (bench's predictions, --percent auto) reads a fixed calibration instead
+# of measuring this machine, and nothing writes the user's cache (flexevict/calibrate.py)
+os.environ.setdefault("FLEXEVICT_CALIBRATION",
+                      os.path.join(os.path.dirname(__file__), "calibration_cpu.json"))
+os.environ.setdefault("FLEXEVICT_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"flexevict-test-cache-{os.getpid()}"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -25,7 +25,7 @@ import torch
 from .. import kernels
 from ..api import DTYPES, resolve_device, resolve_model
 from ..cli import (add_placement_args, add_policy_args, add_threads_arg, cpu_threads,
-                   placement_from_args, policy_spec)
+                   has_auto, placement_from_args, policy_spec)
 from ..engine import Engine
 from ..errors import UserError, cli_errors
 from ..memory import MemoryPlan, GIB, out_of_memory
@@ -45,6 +45,20 @@ WARMUP_PROMPT, WARMUP_TOKENS = 64, 8
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m flexevict.bench", description=__doc__,
                                 formatter_class=_HelpFormatter)
+    add_run_args(p)
+    p.add_argument("--ignore-max-positions", action="store_true",
+                   help="timing only: let runs exceed the model's position limit (positions "
+                        "wrap; the generated text is meaningless)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help=f"skip the warm-up ({WARMUP_PROMPT} + {WARMUP_TOKENS} tokens with the "
+                        "policy under test) before the timed run")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
+    return p.parse_args(argv)
+
+
+def add_run_args(p: argparse.ArgumentParser):
+    """What a benchmark run is (model, lengths, device, policy, placement and limits): shared
+    with `python -m flexevict.plan`, which plans the same run without running it."""
     p.add_argument("--model", default="opt-6.7b", help="registry name, HF folder or .gguf")
     p.add_argument("--path", default=DUMMY, help=f"weights (default {DUMMY}: seeded random)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence")
@@ -55,19 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="default float16 on GPU, float32 on CPU")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and prompts")
-    p.add_argument("--gpu-mem-limit", type=float, default=None, metavar="GB",
-                   help="cap the GPU memory the engine may use (e.g. 16 for a T4's setting)")
-    p.add_argument("--ignore-max-positions", action="store_true",
-                   help="timing only: let runs exceed the model's position limit (positions "
-                        "wrap; the generated text is meaningless)")
-    p.add_argument("--no-warmup", action="store_true",
-                   help=f"skip the warm-up ({WARMUP_PROMPT} + {WARMUP_TOKENS} tokens with the "
-                        "policy under test) before the timed run")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
     add_threads_arg(p)
     add_policy_args(p)
     add_placement_args(p, gpu_batch_size=4)          # FlexGen's default
-    return p.parse_args(argv)
 
 
 def main(argv=None):
@@ -84,7 +88,8 @@ def run(args) -> dict:
     config, path = resolve_model(args.model, args.path)
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype or ("float32" if device.type == "cpu" else "float16")]
-    placement = placement_from_args(args)
+    limit = _set_gpu_limit(device, args.gpu_mem_limit)
+    placement = placement_from_args(args, config, (args.prompt_len, args.gen_len), device, dtype)
     if placement.gpu_batch_size < 1:
         raise UserError(f"--gpu-batch-size must be >= 1 (got {placement.gpu_batch_size})")
     n = placement.gpu_batch_size * placement.num_gpu_batches
@@ -93,8 +98,8 @@ def run(args) -> dict:
     policy = spec.make()
     slots = policy.capacity(args.prompt_len, args.gen_len) + 1
     plan = MemoryPlan(config, placement, dtype, n, args.prompt_len, args.gen_len, slots)
-    limit = _set_gpu_limit(device, args.gpu_mem_limit)
-    plan.check(device, limit)
+    plan.check(device, limit, None if args.cpu_mem_limit is None else int(args.cpu_mem_limit * GIB))
+    predicted = predict(args, config, placement, n, device, dtype)
     build_s = load_kernels(device)
     with out_of_memory(plan, device, limit):
         engine = Engine.load(config, open_weights(path, config, args.seed), placement, device,
@@ -112,7 +117,21 @@ def run(args) -> dict:
             engine.close()
     result = _result(args, config, placement, plan, policy, stats, device, n, steps)
     result["kernel_build_s"] = build_s
+    result["predicted"] = predicted
     return result
+
+
+def predict(args, config, placement, n: int, device, dtype) -> dict:
+    """The cost model's prediction for this run (plan.py, costmodel.py): per phase and total,
+    what bounds each phase, and the calibration it used."""
+    from ..costmodel import CostModel
+    from ..plan import bound_line, cost_model
+    model: CostModel = cost_model(args, config, args.prompt_len, args.gen_len, device, dtype)
+    e = model.estimate(placement, n)
+    cal = model.cal.data
+    return {**e.describe(), "bound": bound_line(e),
+            "calibration": {"path": model.cal.path, "machine": cal.get("machine"),
+                            "synthetic": bool(cal.get("synthetic")), "quick": bool(cal.get("quick"))}}
 
 
 def load_kernels(device) -> float | None:
@@ -220,6 +239,7 @@ def _result(args, config, placement, plan, policy, stats, device, n, steps) -> d
                                      if len(stats.step_seconds) > 1 else None),
         "bytes_moved": stats.traffic,
         "positions_wrapped": args.ignore_max_positions,
+        "placement_auto": has_auto(args),
         "device": str(device), "step_seconds": stats.step_seconds,
         "run_info": run_metadata(device),
     }
@@ -257,9 +277,25 @@ def format_block(r: dict) -> str:
         f"{r['run_info']['commit'][:12]}\tkernel build/load: "
         + ("n/a" if r.get("kernel_build_s") is None else f"{r['kernel_build_s']:.2f} s"),
     ]
+    if r.get("predicted"):
+        lines += predicted_lines(r)
     if r["positions_wrapped"]:
         lines.append("positions wrapped past the model's limit: timing only, output meaningless")
     return "\n".join(lines)
+
+
+def predicted_lines(r: dict) -> list[str]:
+    """The cost model's prediction next to the measurement, per phase."""
+    p = r["predicted"]
+    step = r["decode_latency_s"] / max(r["gen_len"] - 1, 1)
+    cal = p["calibration"]
+    tag = " synthetic" if cal["synthetic"] else " quick" if cal["quick"] else ""
+    return [f"predicted: prefill {p['prefill_s']:.3f} s (measured {r['prefill_latency_s']:.3f}), "
+            f"decode step {p['decode_step_s']:.4f} s (measured {step:.4f}), total "
+            f"{p['total_s']:.3f} s (measured {r['total_latency_s']:.3f}), total throughput "
+            f"{p['throughput']:.3f} token/s (measured / predicted "
+            f"{r['total_throughput'] / p['throughput']:.2f})",
+            f"predicted bound: {p['bound']}\tcalibration:{tag} {cal['path']}"]
 
 
 # ---------------------------------------------------------------------------- memory

@@ -1,0 +1,334 @@
+"""Automatic placement: the calibration, the cost model, the search (`--percent auto` and
+friends), `python -m flexevict.plan`, and the predictions every bench run records.
+
+Plans for a GPU use the synthetic H100 calibration (datasheet numbers, no GPU needed); plans for
+this CPU use the test fixture calibration (tests/calibration_cpu.json, via conftest.py). Nothing
+here asserts a timing."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_cli import assert_user_error, run
+
+from flexevict import calibrate, plan as P
+from flexevict.api import resolve_model
+from flexevict.cli import add_placement_args, add_policy_args, placement_from_args
+from flexevict.costmodel import CostModel
+from flexevict.errors import UserError
+from flexevict.memory import GIB, MemoryPlan
+from flexevict.placement import Placement
+from flexevict.policies import PolicySpec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H100 = os.path.join(ROOT, "bench", "results", "placement", "calibration_h100_synthetic.json")
+BIG = 1 << 50                               # "no limit" that still counts as a number
+
+
+def model_for(name, prompt, gen, policy="full", budget=None, device="cuda", cal=H100,
+              dtype=torch.float16):
+    config, _ = resolve_model(name, "_DUMMY_")
+    return CostModel(config, calibrate.read_file(cal), device, dtype, prompt, gen,
+                     PolicySpec.parse(policy, budget))
+
+
+def limits(gpu_gb=None, cpu_gb=1024, disk_gb=4096):
+    return P.Limits(gpu=None if gpu_gb is None else int(gpu_gb * GIB), cpu=int(cpu_gb * GIB),
+                    disk=int(disk_gb * GIB))
+
+
+AUTO = P.Request(percent=None, gpu_batch_size=None, num_gpu_batches=None)
+
+
+# ------------------------------------------------------------------------------ H2O's finding
+
+def test_h2o_batch_64_fits_at_20_percent_and_not_with_full(capsys):
+    """OPT-6.7B, 2048 + 2048 tokens, 80 GB: batch 64 fits with h2o at 20% (H2O's table), not
+    with the full cache, whose one-line error names the GPU and a batch that fits."""
+    argv = ["--model", "opt-6.7b", "--device", "cuda", "--prompt-len", "2048", "--gen-len",
+            "2048", "--percent", "100", "0", "100", "0", "100", "0", "--gpu-batch-size", "64",
+            "--num-gpu-batches", "1", "--gpu-mem-limit", "80", "--calibration", H100]
+    P.main(argv + ["--policy", "h2o", "--budget", "0.2"])
+    out = capsys.readouterr().out
+    assert "placement: --percent 100 0 100 0 100 0 --gpu-batch-size 64" in out
+    with pytest.raises(SystemExit) as exc:
+        P.main(argv + ["--policy", "full"])
+    assert exc.value.code == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "does not fit: GPU memory binds" in err[0], err
+    assert "smallest change that fits: --gpu-batch-size" in err[0]
+
+
+def test_a_budget_fits_a_larger_batch_and_predicts_more_than_full():
+    limit = limits(gpu_gb=80)
+    req = P.Request(percent=(100, 0, 100, 0, 100, 0), gpu_batch_size=None, num_gpu_batches=1)
+    full = P.search(model_for("opt-6.7b", 2048, 2048), req, limit).best
+    h2o = P.search(model_for("opt-6.7b", 2048, 2048, "h2o", 0.2), req, limit).best
+    assert h2o.n >= 64 > full.n
+    assert h2o.throughput > full.throughput
+
+
+# ------------------------------------------------------------------------------ monotonicity
+
+@pytest.mark.parametrize("vary", ["gpu", "cpu"])
+def test_more_memory_never_lowers_the_best_prediction(vary):
+    m = model_for("opt-1.3b", 512, 32)
+    best = []
+    for gb in (1, 2, 4, 8, 32):
+        lim = limits(gpu_gb=gb, cpu_gb=64) if vary == "gpu" else limits(gpu_gb=2, cpu_gb=gb)
+        try:
+            best.append(P.search(m, AUTO, lim, top=1).best.throughput)
+        except P.Infeasible:
+            best.append(0.0)
+    assert all(b >= a for a, b in zip(best, best[1:])), best
+    assert best[-1] > best[0]                   # the limit did bind somewhere
+
+
+def largest_feasible_batch(model, limit) -> int:
+    fits = [g for g in P.GPU_BATCH_SIZES
+            if model.memory_plan(Placement(gpu_batch_size=g), g).overflow(
+                model.device, limit.gpu, limit.cpu, limit.disk) is None]
+    return max(fits, default=0)
+
+
+def test_a_smaller_budget_never_lowers_the_largest_feasible_batch():
+    limit = limits(gpu_gb=80)
+    batches = [largest_feasible_batch(model_for("opt-6.7b", 2048, 2048, pol, b), limit)
+               for pol, b in (("full", None), ("h2o", 0.5), ("h2o", 0.2), ("h2o", 0.1),
+                              ("h2o", 0.05))]
+    assert all(b >= a for a, b in zip(batches, batches[1:])), batches
+    assert batches[0] < 64 <= batches[2]
+
+
+# ------------------------------------------------------------------------------ the search
+
+def test_the_search_is_exact(monkeypatch):
+    """Pruning (shape bounds, dominated placements) never drops the best: the search agrees
+    with a brute force over every placement of a small space, under a binding GPU limit."""
+    monkeypatch.setattr(P, "GPU_BATCH_SIZES", (4, 16))
+    monkeypatch.setattr(P, "NUM_GPU_BATCHES", (4,))
+    monkeypatch.setattr(P, "WEIGHT_STEP", 20)
+    m = model_for("opt-1.3b", 512, 32, "h2o", 0.2)
+    lim = limits(gpu_gb=1.5, cpu_gb=16)
+    req = dataclass_replace(AUTO, compress_weight=None, cpu_cache_compute=None)
+    best = P.search(m, req, lim, top=1).best
+    brute = 0.0
+    for g in P.GPU_BATCH_SIZES:
+        for nb in P.NUM_GPU_BATCHES:
+            for wg in range(0, 101, 20):
+                for wc in range(0, 101 - wg, 20):
+                    for cg in range(0, 101, 10):
+                        for cc in range(0, 101 - cg, 10):
+                            for act in ((100, 0), (0, 100)):
+                                for cw in (False, True):
+                                    for ccc in (False, True):
+                                        p = Placement(wg, wc, cg, cc, *act, gpu_batch_size=g,
+                                                      num_gpu_batches=nb, compress_weight=cw,
+                                                      cpu_cache_compute=ccc)
+                                        plan = m.memory_plan(p, g * nb)
+                                        if plan.overflow("cuda", lim.gpu, lim.cpu,
+                                                         lim.disk) is None:
+                                            brute = max(brute, m.estimate(p, g * nb).throughput)
+    assert best.throughput == pytest.approx(brute, rel=1e-3)   # ties: 3 significant digits
+
+
+def dataclass_replace(obj, **kw):
+    import dataclasses
+    return dataclasses.replace(obj, **kw)
+
+
+def test_a_chosen_plan_passes_the_runs_memory_check():
+    m = model_for("opt-30b", 512, 32, "h2o", 0.2)
+    lim = limits(gpu_gb=16, cpu_gb=200)
+    for e in P.search(m, AUTO, lim).ranked:
+        need = e.memory
+        assert need["gpu"] <= lim.gpu and need["cpu"] <= lim.cpu
+        plan = MemoryPlan(m.config, e.placement, torch.float16, e.n, 512, 32, m.slots)
+        assert plan.needs("cuda") == need
+
+
+def test_the_cost_model_names_what_binds():
+    """Weights streamed from the CPU tier: decode is weight loading over the link; without
+    overlap every term adds up; compressed weights cross the link in a quarter of the bytes."""
+    m = model_for("opt-30b", 512, 32)
+    p = Placement(0, 100, 100, 0, 100, 0, gpu_batch_size=8)
+    e = m.estimate(p, 8)
+    name, share = e.bound("decode")
+    assert name == "weight loading (cpu->gpu)" and share > 0.8
+    serial = m.estimate(dataclass_replace(p, overlap=False), 8)
+    assert serial.total_s > e.total_s
+    packed = m.estimate(dataclass_replace(p, compress_weight=True), 8)
+    assert packed.step_s < 0.5 * e.step_s
+
+
+# ------------------------------------------------------------------------------ CLI
+
+def test_infeasible_request_gives_one_line_with_the_binding_resource():
+    proc = run("plan", "--model", "opt-125m", "--device", "cpu", "--prompt-len", "64",
+               "--gen-len", "8", "--percent", "auto", "--gpu-batch-size", "auto",
+               "--cpu-mem-limit", "0.01")
+    assert_user_error(proc, "does not fit: CPU memory binds", "--cpu-mem-limit allows",
+                      "no placement fits")
+
+
+def test_plan_prints_the_choice_its_bound_and_alternatives(capsys):
+    P.main(["--model", "opt-30b", "--device", "cuda", "--prompt-len", "512", "--gen-len", "32",
+            "--percent", "auto", "--gpu-batch-size", "auto", "--num-gpu-batches", "4",
+            "--gpu-mem-limit", "16", "--cpu-mem-limit", "200", "--calibration", H100])
+    out = capsys.readouterr().out
+    for needle in ("plan for opt-30b", "placement: --percent", "predicted:", "token/s total",
+                   "memory: GPU", "bound: decode:", "% of the step is bound by", "top "):
+        assert needle in out, out
+    assert "--num-gpu-batches 4" in out.split("placement:")[1].splitlines()[0]
+
+
+def test_planning_for_a_gpu_here_needs_a_calibration(monkeypatch):
+    monkeypatch.delenv("FLEXEVICT_CALIBRATION", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU to calibrate")
+    proc = subprocess.run([sys.executable, "-m", "flexevict.plan", "--model", "opt-125m",
+                           "--device", "cuda", "--percent", "auto"], capture_output=True,
+                          text=True, env={k: v for k, v in os.environ.items()
+                                          if k != "FLEXEVICT_CALIBRATION"})
+    assert_user_error(proc, "needs --calibration FILE", "--synthetic h100")
+
+
+def parse(*argv, gbs=4):
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="opt-125m")
+    p.add_argument("--path", default="_DUMMY_")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    add_policy_args(p)
+    add_placement_args(p, gpu_batch_size=gbs)
+    return p.parse_args(list(argv))
+
+
+def test_explicit_flags_keep_working_and_auto_parses(tmp_path):
+    args = parse("--percent", "0", "100", "100", "0", "100", "0", "--compress-weight",
+                 "--cpu-cache-compute", "--offload-dir", str(tmp_path))
+    p = placement_from_args(args)
+    assert p == Placement.from_percent((0, 100, 100, 0, 100, 0), gpu_batch_size=4,
+                                       compress_weight=True, cpu_cache_compute=True,
+                                       offload_dir=str(tmp_path))
+    args = parse("--percent", "auto", "--gpu-batch-size", "auto", "--compress-cache", "auto")
+    assert (args.percent, args.gpu_batch_size, args.compress_cache) == (["auto"], "auto", "auto")
+    assert args.compress_weight is False
+    with pytest.raises(UserError, match="six integers"):
+        placement_from_args(parse("--percent", "100", "0", "100"))
+    with pytest.raises(UserError, match="'x' is not an integer"):
+        placement_from_args(parse("--percent", "100", "0", "100", "0", "100", "x"))
+
+
+def test_without_lengths_auto_plans_for_the_models_longest_run(monkeypatch, capsys):
+    """generate/eval resolve auto before reading their input: the plan is for the model's
+    maximum positions, --max-new-tokens of them generated."""
+    seen = {}
+    real = P.resolve_auto
+
+    def spy(args, config, prompt_len, gen_len, *rest, **kw):
+        seen["lengths"] = (prompt_len, gen_len)
+        return real(args, config, prompt_len, gen_len, *rest, **kw)
+    monkeypatch.setattr(P, "resolve_auto", spy)
+    p = placement_from_args(parse("--percent", "auto", "--max-new-tokens", "16"))
+    assert seen["lengths"] == (2048 - 16 + 1, 16)            # opt-125m: 2048 positions
+    assert p.gpu_batch_size == 4 and p.percent == (100, 0, 100, 0, 100, 0)
+    err = capsys.readouterr().err
+    assert "auto placement: --percent 100 0 100 0 100 0 --gpu-batch-size 4" in err
+    assert "auto predicted:" in err and "auto bound: decode:" in err
+
+
+# ------------------------------------------------------------------------------ runs
+
+def test_bench_records_predicted_and_measured_per_phase(tmp_path):
+    out = tmp_path / "r.json"
+    proc = run("bench", "--model", "opt-125m", "--device", "cpu", "--prompt-len", "16",
+               "--gen-len", "4", "--gpu-batch-size", "2", "--no-warmup", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    pred = r["predicted"]
+    for key in ("prefill_s", "decode_step_s", "decode_s", "total_s", "throughput"):
+        assert pred[key] > 0, key
+    assert pred["total_s"] == pytest.approx(pred["prefill_s"] + pred["decode_s"])
+    assert pred["calibration"]["path"].endswith("calibration_cpu.json")
+    assert "predicted: prefill" in proc.stdout and "(measured" in proc.stdout
+    assert "predicted bound: decode:" in proc.stdout
+
+
+def test_an_auto_plan_stays_under_a_tight_cpu_mem_limit_when_run(tmp_path):
+    """Below what the all-in-memory placement needs, auto moves weights to disk; the run's
+    measured anonymous memory stays under the limit."""
+    common = ["--model", "opt-125m", "--device", "cpu", "--prompt-len", "32", "--gen-len", "4",
+              "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--threads", "1",
+              "--offload-dir", str(tmp_path / "off")]
+    proc = run("plan", *common)
+    assert proc.returncode == 0, proc.stderr
+    need = float(proc.stdout.split("memory: CPU ")[1].split(" GiB")[0])
+    limit = round(need - 0.15, 2)
+    out = tmp_path / "r.json"
+    proc = run("bench", *common, "--percent", "auto", "--cpu-mem-limit", str(limit),
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    w_gpu, w_cpu = r["placement"]["percent"][:2]
+    assert w_gpu + w_cpu < 100                                 # some weights went to disk
+    assert r["peak_cpu_anon_gb"] <= limit, (r["peak_cpu_anon_gb"], limit)
+    assert "auto placement:" in proc.stderr
+
+
+# ------------------------------------------------------------------------------ calibration
+
+def test_quick_calibration_is_cached_per_machine_and_redone_on_request(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXEVICT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FLEXEVICT_CALIBRATION")
+    cpu = torch.device("cpu")
+    quiet = lambda *a, **k: None  # noqa: E731
+    cal = calibrate.load(cpu, 1, str(tmp_path / "off"), quick=True, log=quiet)
+    key = calibrate.machine_key(cpu, 1)
+    assert cal.path == calibrate.cache_path(key) and os.path.isfile(cal.path)
+    assert cal.path.startswith(str(tmp_path / "cache"))
+    d = cal.device(cpu, torch.float32)
+    assert d["gemm_flops"] > 0 and d["gemv_bw"] > 0 and d["attn_decode"]["per_unit_s"] >= 0
+    assert cal.link("disk_read") > 0 and cal.link("h2d_pinned") > 0
+    assert set(d["overhead"]) == {"opt", "llama"}
+
+    def measured(*a, **k):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(calibrate, "measure_machine", measured)
+    again = calibrate.load(cpu, 1, quick=True, log=quiet)            # from the cache
+    assert again.data == json.load(open(cal.path))
+    with pytest.raises(AssertionError, match="measured again"):
+        calibrate.load(cpu, 1, recalibrate=True, quick=True, log=quiet)
+    assert calibrate.cache_path(calibrate.machine_key(cpu, 2)) != cal.path   # per threads
+
+
+def test_a_policys_hook_costs_are_measured_on_first_use(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXEVICT_CACHE_DIR", str(tmp_path))
+    cal = calibrate.Calibration(calibrate.read_file(os.environ["FLEXEVICT_CALIBRATION"]).data,
+                                str(tmp_path / "c.json"))
+    cal.data["quick"] = True
+    hooks = cal.policy(PolicySpec.parse("tova", 0.5), torch.device("cpu"), torch.float32)
+    assert hooks["decode"]["fixed_s"] >= 0 and hooks["prefill"]["per_token_row_s"] >= 0
+    assert any(k.endswith(":tova:[]") for k in json.load(open(tmp_path / "c.json"))["policies"])
+
+
+def test_cache_folder_and_bad_calibration_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXEVICT_CACHE_DIR", str(tmp_path / "a"))
+    assert calibrate.cache_dir() == str(tmp_path / "a")
+    monkeypatch.delenv("FLEXEVICT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert calibrate.cache_dir() == str(tmp_path / "xdg" / "flexevict")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UserError, match="not a calibration JSON"):
+        calibrate.read_file(str(bad))
+    bad.write_text(json.dumps({"schema": 0}))
+    with pytest.raises(UserError, match="not a calibration of schema"):
+        calibrate.read_file(str(bad))
+    with pytest.raises(UserError, match="cannot read it"):
+        calibrate.read_file(str(tmp_path / "missing.json"))
