@@ -3,9 +3,9 @@ predictions against measured runs, `--percent auto` against the best hand-writte
 what a KV budget does to the largest feasible batch and the predicted throughput.
 
 Every case runs --repeat times (rounds over all cases, so a disturbance of the shared machine
-hits different cases in different rounds) and the best run of each is compared: the model
-predicts a machine left alone, the calibration keeps the median of its rounds. Results go to
-bench/results/placement/: predicted_vs_measured_cpu.md/.json and cases/<case>.json (the best
+hits different cases in different rounds) and its median run is compared (the calibration, too,
+keeps the median of its rounds: both describe the machine as it typically is). Results go to
+bench/results/placement/: predicted_vs_measured_cpu.md/.json and cases/<case>.json (the median
 run's bench JSON).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ WITHIN = 0.20              # predicted vs measured total throughput: the goal
 AUTO_VS_HAND = 0.95        # auto's measured throughput vs the best hand-written setting's
 
 
-def run_placement_suite(cases: list[dict], out: str, repeats: int = 3) -> list[dict]:
+def run_placement_suite(cases: list[dict], out: str, repeats: int = 5) -> list[dict]:
     if repeats < 1:
         raise SystemExit("--repeat must be >= 1")
     folder = os.path.join(out, "cases")
@@ -39,13 +39,14 @@ def run_placement_suite(cases: list[dict], out: str, repeats: int = 3) -> list[d
                   file=sys.stderr, flush=True)
     rows = []
     for c in cases:
-        ok = [(res, p) for res, p in runs[c["name"]] if "error" not in res]
+        ok = sorted(((res, p) for res, p in runs[c["name"]] if "error" not in res),
+                    key=lambda rp: rp[0]["total_throughput"])
         if ok:
-            best, path = max(ok, key=lambda rp: rp[0]["total_throughput"])
+            median, path = ok[(len(ok) - 1) // 2]          # the lower median of an even count
             shutil.copy(path, os.path.join(folder, f"{c['name']}.json"))
         else:
-            best = runs[c["name"]][0][0]
-        rows.append(row(c, best, [res.get("total_throughput") for res, _ in runs[c["name"]]]))
+            median = runs[c["name"]][0][0]
+        rows.append(row(c, median, [res.get("total_throughput") for res, _ in runs[c["name"]]]))
     shutil.rmtree(scratch)
     budget = budget_rows()
     text = tables(rows, budget, repeats)
@@ -59,7 +60,7 @@ def run_placement_suite(cases: list[dict], out: str, repeats: int = 3) -> list[d
 
 
 def row(c: dict, r: dict, totals: list) -> dict:
-    """One case's comparison from its best run r (a bench result JSON)."""
+    """One case's comparison from its median run r (a bench result JSON)."""
     argv = c["argv"]
     limit = float(argv[argv.index("--cpu-mem-limit") + 1]) if "--cpu-mem-limit" in argv else None
     out = {"case": c["name"], "command": "python -m flexevict.bench " + " ".join(argv),
@@ -126,7 +127,7 @@ def tables(rows: list[dict], budget: list[dict], repeats: int) -> str:
     fmt = lambda x, p=3: "n/a" if x is None else f"{x:.{p}f}"  # noqa: E731
     good = [r for r in rows if "error" not in r and not r["auto"]]
     lines = ["## Predicted vs measured, CPU suite at --threads 1", "",
-             f"Best of {repeats} runs per case (rounds over all cases); the prediction is the "
+             f"Median of {repeats} runs per case (rounds over all cases); the prediction is the "
              "cost model's for the case's placement with this machine's calibration. Goal: "
              f"measured total throughput within {100 * WITHIN:.0f}% of the prediction.", "",
              "| case | policy (slots) | batch | placement | prefill s pred / meas | decode step "
@@ -142,8 +143,9 @@ def tables(rows: list[dict], budget: list[dict], repeats: int) -> str:
             f"| {fmt(p['prefill_s'], 2)} / {fmt(m['prefill_s'], 2)} | "
             f"{fmt(1e3 * p['decode_step_s'], 1)} / {fmt(1e3 * m['decode_step_s'], 1)} | "
             f"{fmt(p['throughput'], 1)} | {fmt(m['throughput'], 1)} ("
-            + ", ".join(fmt(t, 1) for t in r["totals"]) + f") | {fmt(r['measured_over_predicted'], 2)}"
-            f" | {'yes' if r['within'] else 'NO'} | {p['bound']} |")
+            + ", ".join(fmt(t, 1) for t in r["totals"])
+            + f") | {fmt(r['measured_over_predicted'], 2)} | {'yes' if r['within'] else 'NO'} "
+            f"| {p['bound']} |")
     hits = sum(r["within"] for r in good)
     lines += ["", f"Hand-written cases within {100 * WITHIN:.0f}%: {hits} of {len(good)}; "
               f"auto cases: {sum(r['within'] for r in rows if 'error' not in r and r['auto'])} "

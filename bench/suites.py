@@ -142,7 +142,8 @@ def suite_bound():
 # --cpu-mem-limit (GiB) of the placement suite's tight cases: below what the all-in-memory setting
 # of the CPU suite holds (about 1.0 GiB for both models), above what weights on disk hold
 PLACEMENT_LIMIT_GB = 0.8
-AUTO_FLAGS = ["--compress-weight", "auto", "--compress-cache", "auto", "--cpu-cache-compute", "auto"]
+AUTO_FLAGS = ["--compress-weight", "auto", "--compress-cache", "auto", "--cpu-cache-compute",
+              "auto"]
 
 
 def suite_placement_cpu():
@@ -568,9 +569,9 @@ def main(argv=None):
                     help="run N decode steps of every selected case and project the rest")
     ap.add_argument("--out", default=None, help=f"results folder (default {RESULTS})")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the summary here")
-    ap.add_argument("--repeat", type=int, default=3, metavar="N",
+    ap.add_argument("--repeat", type=int, default=5, metavar="N",
                     help="placement-cpu: run every case N times, rounds over all cases, and "
-                         "compare the best run of each (default 3)")
+                         "compare the median run of each (default 5)")
     ap.add_argument("--call", type=int, choices=sorted(GPU_CALLS), help="gpu: which device call")
     ap.add_argument("--dry-run", action="store_true", help="gpu: print the plan, run nothing")
     ap.add_argument("--so", default=None, metavar="PATH",

@@ -16,14 +16,23 @@ rate is meant to be a memory or link rate):
   slower than this.
 - per compute device and dtype: matrix-multiply throughput on the engine's path (oneDNN-packed
   weights on a CPU in fp32, `model.PackedWeight`) at a prefill shape (flop/s) and at decode
-  shapes (weight bytes/s, streaming more weights than the caches hold); the cost of preparing a
-  streamed weight for compute (the oneDNN reorder the engine does per use on a CPU, by size);
-  element-wise memory bandwidth; 4-bit quantize/dequantize; decode attention per cached slot;
-  causal prefill attention and H2O's prompt column sums (flop/s); and the fixed cost of each
+  shapes (weight bytes/s, streaming more weights than the caches hold, and re-reading a layer
+  that fits the last-level cache); the cost of preparing a streamed weight for compute (the
+  oneDNN reorder the engine does per use on a CPU, by layer size); element-wise memory
+  bandwidth; 4-bit quantize/dequantize; decode attention per cached slot; causal prefill
+  attention and H2O's prompt column sums (flop/s); a one-layer probe's prefill halves (the
+  element-wise work besides matmuls and attention); and the fixed cost of each
   schedule-layer cell and of each lane job, from the real engine on a tiny model (a small
   model's step is mostly this).
+- on a CPU, the real engine on a six-layer probe model, with every weight in memory and with
+  every weight streamed from the cpu tier: the cost model scales its CPU compute and streaming
+  terms to reproduce those steps (costmodel.CostModel._efficiency).
 - per policy (measured on first use of that policy): its hooks' cost per decode step, fixed and
   per (slot x row), and its prefill hook per (prompt token x row).
+
+On a machine shared with other work a disturbance lasts seconds, longer than one measurement's
+repeats: each device constant is the median of ROUNDS rounds (5 on a CPU, 3 on a GPU), the
+engine probe the median of 3 runs; about 90 s on a 2-core CPU, `--quick` a few seconds.
 
 The result is cached per machine (device name, torch version, threads) as JSON in
 $FLEXEVICT_CACHE_DIR, else $XDG_CACHE_HOME/flexevict/, else ~/.cache/flexevict/; commands that
@@ -232,18 +241,19 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def best_time(fn, device="cpu", repeats: int = 5) -> float:
+def best_time(fn, device="cpu", repeats: int = 5, median: bool = False) -> float:
     """Seconds of fn(): the best of `repeats` after one warm-up call (on a shared machine the
-    best is the least disturbed)."""
+    best is the least disturbed), or their median (for work that a run does over and over,
+    like streaming weights, whose typical time is what the engine sees)."""
     fn()
     _sync(device)
-    best = math.inf
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return _median(times) if median else min(times)
 
 
 def _fit(xs, ts) -> tuple[float, float]:
@@ -399,11 +409,13 @@ def measure_device(device: torch.device, dtype: torch.dtype, quick: bool) -> dic
                            for arch in ("opt", "llama")}
         out["probe"] = {arch: measure_probe(arch, device, dtype, quick)
                         for arch in ("opt", "llama")}
-        if device.type == "cpu":       # on a GPU a model this small is launch-bound
-            out["engine_probe"] = {arch: measure_engine_probe(arch, device, dtype, quick)
-                                   for arch in ("opt", "llama")}
         rounds.append(out)
-    return _median_of(rounds)
+    out = _median_of(rounds)
+    if device.type == "cpu":      # on a GPU a model this small is launch-bound
+        out["engine_probe"] = _median_of([{arch: measure_engine_probe(arch, device, dtype, quick)
+                                           for arch in ("opt", "llama")}
+                                          for _ in range(1 if quick else 3)])
+    return out
 
 
 def _median_of(rounds: list):
@@ -493,11 +505,11 @@ def measure_prepare(device, dtype, quick: bool) -> dict:
 
     def rate(layers: list[list[torch.Tensor]]) -> float:
         def stream():
-            kept = None
+            held = [None]          # a layer's packed weights live until the next layer's are
             for mats in layers:
-                kept = lane.submit(lambda m=mats: [PackedWeight(w) for w in m]).wait()  # noqa
+                held[0] = lane.submit(lambda m=mats: [PackedWeight(w) for w in m]).wait()
         nbytes = sum(w.numel() * elem for mats in layers for w in mats)
-        return nbytes / best_time(stream, device, 2 if quick else 5)
+        return nbytes / best_time(stream, device, 2 if quick else 5, median=True)
     out = {"layers": [], "big": []}
     try:
         for d in PREPARE_HIDDEN[:2] if quick else PREPARE_HIDDEN:
@@ -656,7 +668,7 @@ def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
                 "mlp_s": best_time(lambda: model.mlp_half(w, mid), device, repeats), **PROBE}
 
 
-ENGINE_PROBE = {"layers": 6, "gpu_batch_size": 4, "num_gpu_batches": 2, "prompt": 128, "gen": 10}
+ENGINE_PROBE = {"layers": 6, "gpu_batch_size": 4, "num_gpu_batches": 2, "prompt": 128, "gen": 32}
 
 
 def engine_probe_config(arch: str):
@@ -673,7 +685,9 @@ def engine_probe_config(arch: str):
 
 def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
     """{placement: [prefill seconds, median decode step seconds]} of the real engine on the
-    engine probe, for "memory" (all in memory) and "stream" (weights on the cpu tier)."""
+    engine probe, for "memory" (all in memory) and "stream" (weights on the cpu tier): a
+    warm-up run, then the median of a run's steps after its first quarter (streaming settles
+    over a few steps: the allocator learns to recycle the reordered weights' buffers)."""
     from .engine import Engine
     from .placement import Placement
     from .policies import get_policy
@@ -686,19 +700,18 @@ def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
     def greedy(i, k, h, head):
         return head(h[:, -1] if h.dim() == 3 else h).argmax(dim=-1)
     out = {**e}
-    for label, percent in (("memory", (100, 0, 100, 0, 100, 0)), ("stream", (0, 100, 100, 0, 100, 0))):
+    for label, percent in (("memory", (100, 0, 100, 0, 100, 0)),
+                           ("stream", (0, 100, 100, 0, 100, 0))):
         p = Placement(*percent, gpu_batch_size=e["gpu_batch_size"],
                       num_gpu_batches=e["num_gpu_batches"])
         engine = Engine.load(config, DummyWeights(config, 0), p, device, dtype)
         try:
-            best = None
-            for _ in range(1 if quick else 2):
-                st = engine.run(prompts, e["gen"], get_policy("full"), greedy).step_seconds
-                now = [st[0], _median(st[2:])]
-                best = now if best is None else [min(a, b) for a, b in zip(best, now)]
+            steps = 8 if quick else e["gen"]
+            engine.run(prompts, 8, get_policy("full"), greedy)
+            st = engine.run(prompts, steps, get_policy("full"), greedy).step_seconds
         finally:
             engine.close()
-        out[label] = best
+        out[label] = [st[0], _median(st[max(2, steps // 4):])]
     return out
 
 
@@ -836,8 +849,9 @@ def synthetic(kind: str) -> dict:
 def summary(cal: Calibration, device: torch.device, dtype: torch.dtype) -> str:
     d = cal.device(device, dtype)
     L, gb = cal.data["links"], 1e9
-    lines = [f"calibration of {cal.data['machine']['device']} (torch {cal.data['machine']['torch']},"
-             f" {cal.data['machine']['threads']} threads){' [synthetic]' if cal.synthetic else ''}"
+    machine = cal.data["machine"]
+    lines = [f"calibration of {machine['device']} (torch {machine['torch']}, "
+             f"{machine['threads']} threads){' [synthetic]' if cal.synthetic else ''}"
              f"{' [quick]' if cal.quick else ''}: {cal.path}",
              "links GB/s: " + ", ".join(f"{k} {v / gb:.1f}" for k, v in L.items()),
              f"{device.type} {_dtype_name(dtype)}: gemm {d['gemm_flops'] / 1e12:.2f} TFLOP/s, "

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -270,7 +271,7 @@ def _weight_options(config, request) -> list[tuple[tuple, tuple]]:
     for g, c in pairs:
         p = Placement(g, c)
         ranks = tuple(RANK[t] for st in kinds
-                      for t in p.weight_tiers([_numel(s) for _, s in st]))
+                      for t in p.weight_tiers([math.prod(s) for _, s in st]))
         if ranks not in seen:
             seen.add(ranks)
             out.append(((g, c), ranks))
@@ -289,16 +290,9 @@ def _cache_options(request, nb: int) -> list[tuple[tuple, tuple]]:
     return out
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 # ---------------------------------------------------------------------------- explaining
 
-def flags(p: Placement, request: Request | None = None) -> str:
+def flags(p: Placement) -> str:
     """The command-line flags that give placement p (switches only where on)."""
     out = [f"--percent {' '.join(map(str, p.percent))}", f"--gpu-batch-size {p.gpu_batch_size}",
            f"--num-gpu-batches {p.num_gpu_batches}"]
@@ -342,7 +336,7 @@ def next_best(plan: Plan) -> str | None:
         except Infeasible:
             continue
         if alt.throughput > best:
-            best, what = alt.throughput, _change(plan.best.placement, alt.placement, name)
+            best, what = alt.throughput, _change(alt.placement, name)
     for resource in ("GPU", "CPU"):
         limits = plan.limits.raised(resource, 2.0)
         if limits == plan.limits:
@@ -352,13 +346,15 @@ def next_best(plan: Plan) -> str | None:
         except Infeasible:
             continue
         if alt.throughput > best:
-            best, what = alt.throughput, f"twice the {resource} memory limit ({flags(alt.placement)})"
+            best = alt.throughput
+            what = f"twice the {resource} memory limit ({flags(alt.placement)})"
     if what is None:
         return None
     return f"next best: {what}, {best / plan.best.throughput:.2f}x predicted"
 
 
-def _change(old: Placement, new: Placement, name: str) -> str:
+def _change(new: Placement, name: str) -> str:
+    """The flag that gives `new` its value of the placement field `name`."""
     if name == "percent":
         return f"--percent {' '.join(map(str, new.percent))}"
     if name in SWITCHES:
@@ -398,16 +394,17 @@ def header(model: CostModel, limits: Limits) -> str:
 def infeasible_line(model: CostModel, request: Request, limits: Limits, err: Infeasible) -> str:
     """One line: the binding resource, and the smallest change that fits (one flag set free,
     else every flag, else the limit it would take)."""
-    flag = {"GPU": "--gpu-mem-limit", "CPU": "--cpu-mem-limit", "disk": "free disk"}[err.resource]
+    flag = {"GPU": "--gpu-mem-limit", "CPU": "--cpu-mem-limit", "disk": "free disk under "
+            "--offload-dir"}[err.resource]
     head = (f"does not fit: {err.resource} memory binds (the closest placement needs "
-            f"{_gib(err.need)}, {flag} allows {_gib(err.have)})")
+            f"{_gib(err.need)}, the limit is {_gib(err.have)}: {flag})")
     fixes = []
     for name in ("gpu_batch_size", "num_gpu_batches", "percent", *SWITCHES):
         if getattr(request, name) is None:
             continue
         try:
             alt = search(model, request.freed(name), limits, top=1).best
-            fixes.append((alt.throughput, _change(None, alt.placement, name)))
+            fixes.append((alt.throughput, _change(alt.placement, name)))
         except Infeasible:
             pass
     if not fixes and not _all_free(request):

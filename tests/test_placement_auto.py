@@ -170,8 +170,8 @@ def test_infeasible_request_gives_one_line_with_the_binding_resource():
     proc = run("plan", "--model", "opt-125m", "--device", "cpu", "--prompt-len", "64",
                "--gen-len", "8", "--percent", "auto", "--gpu-batch-size", "auto",
                "--cpu-mem-limit", "0.01")
-    assert_user_error(proc, "does not fit: CPU memory binds", "--cpu-mem-limit allows",
-                      "no placement fits")
+    assert_user_error(proc, "does not fit: CPU memory binds", "the limit is 0.0 GiB: "
+                      "--cpu-mem-limit", "no placement fits")
 
 
 def test_plan_prints_the_choice_its_bound_and_alternatives(capsys):

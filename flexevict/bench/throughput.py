@@ -131,7 +131,8 @@ def predict(args, config, placement, n: int, device, dtype) -> dict:
     cal = model.cal.data
     return {**e.describe(), "bound": bound_line(e),
             "calibration": {"path": model.cal.path, "machine": cal.get("machine"),
-                            "synthetic": bool(cal.get("synthetic")), "quick": bool(cal.get("quick"))}}
+                            "synthetic": bool(cal.get("synthetic")),
+                            "quick": bool(cal.get("quick"))}}
 
 
 def load_kernels(device) -> float | None:
