@@ -208,6 +208,27 @@ def run_case(c: dict, base: str) -> dict:
             "engine": engine, "peer": peer}
 
 
+def prediction_table(rows: list[dict]) -> str:
+    """The cost model's prediction next to the measurement for every case that ran (each bench
+    result carries its `predicted`; README "Every bench run checks the model")."""
+    lines = ["### Predicted vs measured (cost model)", "",
+             "| case | prefill s pred / meas | decode step ms pred / meas | total tok/s pred / "
+             "meas | meas / pred | calibration | bound (predicted) |", "|" + "---|" * 7]
+    for r in rows:
+        e = r["engine"]
+        p = e.get("predicted")
+        if not p:
+            continue
+        step = e["decode_latency_s"] / max(e["gen_len"] - 1, 1)
+        cal = p["calibration"]
+        tag = "synthetic" if cal["synthetic"] else "quick" if cal["quick"] else "measured"
+        lines.append(f"| {r['case']} | {p['prefill_s']:.2f} / {e['prefill_latency_s']:.2f} | "
+                     f"{1e3 * p['decode_step_s']:.1f} / {1e3 * step:.1f} | "
+                     f"{p['throughput']:.1f} / {e['total_throughput']:.1f} | "
+                     f"{e['total_throughput'] / p['throughput']:.2f} | {tag} | {p['bound']} |")
+    return "\n".join(lines)
+
+
 def run_peer(c: dict, out: str) -> dict | None:
     peer = c["peer"]
     if not peer:
@@ -307,6 +328,11 @@ WHEEL_GLOBS = {"gguf": "gguf-*.whl", "flexgen": "flexgen-0.1.8-*.whl"}
 DOWNLOAD = "pip download --no-deps gguf==0.19.0 flexgen==0.1.8 -d bench/wheels"
 SO_GLOB = "_C.*.so"                        # the built extension, flexevict/_C.<abi>.so
 KNOWN_SO = "bench/wheels/" + SO_GLOB        # where calls 2 and 3 look for call 1's kernels
+# the GPU's calibration for the cost model (flexevict.calibrate) is cached here, not in ~/.cache:
+# call 1 measures it and sends it back; put into this folder (untracked, not ignored) it travels
+# with the tree to calls 2 and 3, whose benches then predict with it instead of measuring again
+CALIBRATION_DIR = os.path.join(WHEELS, "calibration")
+CALIBRATION_GLOB = "calibration-*.json"
 SCRATCH = os.path.join(tempfile.gettempdir(), "flexevict-gpu")   # per-case files stay here
 FLEXGEN_SITE = os.path.join(tempfile.gettempdir(), "flexgen-site")
 CALL_LIMIT_MIN = 9.0
@@ -339,6 +365,17 @@ class _Parts:
             "place kernels", f"(cp {_q(so) if so else KNOWN_SO} flexevict/ 2>/dev/null || echo "
             f"'no kernels carried from call 1: building them now') && {self.load}", 0.2,
             fallback_min=1.3)
+        cached = f"bench/wheels/calibration/{CALIBRATION_GLOB}"
+        calibrate = f"{self.py} -m flexevict.calibrate --device cuda"
+        # call 1 measures the GPU for the cost model (~1 min); calls 2 and 3 use call 1's when
+        # carried, else a --quick one (seconds; the benches' predictions say "quick")
+        self.calibrate = (
+            Step("calibrate", calibrate, 1.0) if call == 1 else
+            Step("calibration", f"(ls {cached} 2>/dev/null && echo 'calibration carried from "
+                 f"call 1') || {calibrate} --quick", 0.1))
+        # back with the policies' hook costs that the benches measured on first use
+        self.calibration_back = Step("calibration back", f"cp {cached} {self.o}/", 0.0,
+                                     (CALIBRATION_GLOB,))
 
     def suite(self, name, cases, file, minutes, cut=None, env="") -> Step:
         """Some cases of a suite; per-case files in the scratch folder, the summary in DIR."""
@@ -375,13 +412,15 @@ def _call1(p: _Parts) -> list[Step]:
              f"{p.o}/call1-kernels.json", 1.0, ("call1-kernels.json",)),
         # h2o 20% vs full, both cut at 256 steps (255 x 25 / 35 ms: ~10 s each) after ~30 s of
         # start, weights and warm-up each; call 2 runs full uncut
+        p.calibrate,
         p.suite("h2o", [BS24 + "h2o", BS24 + "full"], "call1-h2o-bs24.json", 1.2, cut=256),
+        p.calibration_back,
     ]
 
 
 def _call2(p: _Parts) -> list[Step]:
     return [
-        p.install, p.kernels,
+        p.install, p.kernels, p.calibrate,
         # 2047 steps at 30-60 ms (the cache read grows from 26 to 51 GB a step), and the start
         p.suite("h2o", [BS24 + "full"], "call2-full-uncut.json", 2.5),
         Step("flexgen install", f"{p.py} -m pip install -q --no-deps --no-index --target "
@@ -394,13 +433,14 @@ def _call2(p: _Parts) -> list[Step]:
         # timed steps that each stream them over PCIe (~0.3-0.5 s); and the bandwidth probe
         p.suite("bound", ["opt-6.7b-weights-cpu-bs8", "opt-6.7b-weights-cpu-bs32"],
                 "call2-bound.json", 1.5),
+        p.calibration_back,
     ]
 
 
 def _call3(p: _Parts) -> list[Step]:
     policies = [BS24 + name for name in ("buzz", "cascade", "hashevict", "vatp")]
     return [
-        p.install, p.kernels,
+        p.install, p.kernels, p.calibrate,
         # every test that skips without CUDA outside test_kernels.py (call 1 ran it): the plugin
         # keeps the tests marked skipif(..., reason="needs (a) CUDA ..."). Collecting the folder
         # imports transformers (~20 s), then a dozen engine runs of small models on the GPU;
@@ -415,6 +455,7 @@ def _call3(p: _Parts) -> list[Step]:
                 "call3-h2o-bs64.json", 1.0),
         # the other seed policies at 20%, batch 24, cut 64 (flat steps project well): ~0.6 each
         p.suite("h2o-policies", policies, "call3-policies.json", 3.0),
+        p.calibration_back,
     ]
 
 
@@ -496,7 +537,8 @@ def run_call(call: int, out: str, so: str | None = None) -> int:
     os.makedirs(out, exist_ok=True)
     steps = gpu_plan(call, os.path.abspath(out), sys.executable, so and os.path.abspath(so))
     commit = git_commit()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", FLEXEVICT_COMMIT=commit)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", FLEXEVICT_COMMIT=commit,
+               FLEXEVICT_CACHE_DIR=CALIBRATION_DIR)
     # no device name here: CUDA stays untouched in this process (each case's JSON names it)
     record = {"call": call, "commit": commit, "steps": []}
     plan_json = os.path.join(out, f"call{call}-plan.json")
@@ -625,7 +667,7 @@ def run_suite(suite: str, cases: list[dict], out: str, summary_json: str | None 
         print(f"[{suite}] {c['name']}", file=sys.stderr, flush=True)
         rows.append(run_case(c, os.path.join(folder, f"{c['name']}_{dev}")))
         print(summarize(suite, rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
-    table = summarize(f"{suite} on {dev}", rows)
+    table = summarize(f"{suite} on {dev}", rows) + "\n\n" + prediction_table(rows)
     summary = {"suite": suite, "device": dev, "cases": rows}
     if suite == "bound":
         bandwidth = h2d_bandwidth()

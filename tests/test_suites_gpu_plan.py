@@ -233,3 +233,42 @@ def test_peer_runs_when_the_engine_case_fits_or_fails_otherwise(tmp_path, monkey
                         lambda c, out: peers.append(c["name"]) or {"error": "flexgen failed"})
     suites.main(["flexgen", "--case", "opt-6.7b", "--out", str(tmp_path)])
     assert peers == ["opt-6.7b"]
+
+
+def test_every_call_calibrates_the_gpu_once_and_sends_the_calibration_back(tmp_path, wheels,
+                                                                          monkeypatch):
+    """Call 1 measures the GPU for the cost model; calls 2 and 3 reuse it when carried (else a
+    quick one); the benches find it through FLEXEVICT_CACHE_DIR, and it comes back each time."""
+    for call in (1, 2, 3):
+        steps = suites.gpu_plan(call, "/out")
+        names = [s.name for s in steps]
+        cal = steps[names.index("calibrate" if call == 1 else "calibration")]
+        first_suite = min(i for i, s in enumerate(steps) if "suites.py" in s.cmd
+                          or "pytest" in s.cmd and call == 3)
+        assert names.index(cal.name) < first_suite and "flexevict.calibrate --device cuda" in cal.cmd
+        assert ("--quick" in cal.cmd) == (call != 1)
+        assert steps[-1].outputs == (suites.CALIBRATION_GLOB,)
+    out = tmp_path / "out"
+    out.mkdir()
+    fake = FakeRunner(out)
+    monkeypatch.setattr(suites, "run_shell", fake)
+    suites.run_call(2, str(out))
+    assert all(env["FLEXEVICT_CACHE_DIR"] == suites.CALIBRATION_DIR for _, _, env in fake.calls)
+
+
+def test_suite_tables_put_the_prediction_next_to_the_measurement(tmp_path, monkeypatch):
+    result = {"gen_len": 33, "prefill_latency_s": 2.0, "decode_latency_s": 3.2,
+              "total_throughput": 90.0, "policy": {"policy": "h2o", "slots": 819}, "batch": 24,
+              "prefill_throughput": 1e4, "decode_throughput": 200.0, "peak_gpu_mem_gb": 40.0,
+              "peak_cpu_rss_gb": 3.0, "eviction_share_of_decode": 0.1,
+              "predicted": {"prefill_s": 1.8, "decode_step_s": 0.11, "throughput": 100.0,
+                            "bound": "decode: 80% of the step is bound by compute",
+                            "calibration": {"synthetic": False, "quick": True}}}
+    monkeypatch.setattr(suites, "run_engine", lambda c, out: result)
+    monkeypatch.setattr(suites, "run_peer", lambda c, out: None)
+    suites.main(["h2o", "--case", "opt-6.7b-2048+2048-bs24-h2o", "--out", str(tmp_path)])
+    table = (tmp_path / f"h2o_{suites.device_label()}.md").read_text()
+    row = [ln for ln in table.splitlines() if ln.startswith("| opt-6.7b-2048+2048-bs24-h2o |")
+           and "quick" in ln]
+    assert row == ["| opt-6.7b-2048+2048-bs24-h2o | 1.80 / 2.00 | 110.0 / 100.0 | 100.0 / 90.0 "
+                   "| 0.90 | quick | decode: 80% of the step is bound by compute |"]
