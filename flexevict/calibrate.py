@@ -643,7 +643,7 @@ def probe_config(arch: str):
 def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
     """Seconds of the probe model's attention and MLP halves in a prefill of PROBE's batch and
     prompt (policy full), each the best of a few."""
-    from . import generation as G
+    from .engine import allocate
     from .model import Transformer
     from .policies import get_policy
     from .weights import DummyWeights
@@ -661,8 +661,8 @@ def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
         w = model.layers[0]
 
         def attn():
-            model.attention_half(w, h, inp, G.allocate(model, cap, b)[0], policy)
-        mid = model.attention_half(w, h, inp, G.allocate(model, cap, b)[0], policy)
+            model.attention_half(w, h, inp, allocate(model, cap, b)[0], policy)
+        mid = model.attention_half(w, h, inp, allocate(model, cap, b)[0], policy)
         repeats = 3 if quick else 15
         return {"attn_s": best_time(attn, device, repeats),
                 "mlp_s": best_time(lambda: model.mlp_half(w, mid), device, repeats), **PROBE}

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import generation as G
 from .kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
 from .errors import UserError
-from .kv import KVBuffer, load_into, store_into
+from .kv import KVBuffer, load_into, store_into, zeros
 from .model import (LINEAR_WEIGHTS, PackedWeight, Transformer, load_layer_weights,
                     load_outer_weights, onednn_usable)
 from .offload import DONE, Lane, Tiers, Ticket, Traffic
@@ -51,6 +50,19 @@ class Home:
     """Where one weight tensor lives. `data` is ready to compute with when tier is gpu."""
     tier: str
     data: object
+
+
+@dataclass
+class Run:
+    """One run's working state, dropped when it ends: the KV buffers and where they live, the
+    pool of working buffers, and the store tickets that later loads and the step's end wait on."""
+    cache: list                     # cache[k][j]: GPU batch k's buffer of block j, in its home
+    cache_tiers: list               # cache[k]'s home tier
+    policy: "TimedPolicy"
+    pool: list = field(default_factory=lambda: [None] * POOL)   # working buffers in flight
+    stored: list = field(default_factory=lambda: [DONE] * POOL)  # pool slot -> its last store
+    home_stored: dict = field(default_factory=dict)   # (k, j) -> the home's latest store
+    step_stores: list = field(default_factory=list)   # this token step's stores
 
 
 @dataclass
@@ -101,7 +113,6 @@ class Engine:
         self.traffic = Traffic()
         self.pack = onednn_usable(compute, model.dtype)
         self.last_run: RunStats | None = None
-        self.wrap_positions = False   # bench --ignore-max-positions: timing-only long runs
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -174,33 +185,36 @@ class Engine:
     # ------------------------------------------------------------------ one run
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], steps: int, policy, consume, pad_id: int = 0,
-            until=None, plan_steps: int | None = None) -> RunStats:
+            until=None, plan_steps: int | None = None, wrap_positions: bool = False) -> RunStats:
         """Prefill the prompts and decode steps - 1 more tokens (the budget is resolved for
         plan_steps, default steps: a benchmark that cuts the run short keeps the real budget).
 
         consume(i, k, h, head) is called at every step i for every GPU batch k with the final
         hidden states h ((b, S, D) at prefill, (b, D) after) and head(x) -> fp32 logits; it
         returns that batch's next input tokens (b,). until() -> True stops after a step.
+        wrap_positions (bench --ignore-max-positions, timing only): positions past the model's
+        maximum wrap around instead of being refused; the output is then meaningless.
         """
-        tokens, valid, pos = G.left_pad(prompts, pad_id, self.tiers.compute)
-        if not self.wrap_positions:
-            G.check_length(self.config, max(len(x) for x in prompts), plan_steps or steps)
+        tokens, valid, pos = left_pad(prompts, pad_id, self.tiers.compute)
+        if not wrap_positions:
+            check_length(self.config, max(len(x) for x in prompts), plan_steps or steps)
         sizes = self.placement.batch_split(len(prompts))
         capacity = policy.capacity(tokens.shape[1], plan_steps or steps)
+        limit = self.config.max_positions if wrap_positions else None
         with self.tiers.run_scope():          # the next run reuses this run's pinned KV homes
-            stats = self._run(tokens, valid, pos, sizes, capacity, steps, policy, consume, until)
+            cache_tiers = self.placement.cache_tiers(len(sizes))
+            run = Run(self._allocate_cache(capacity, sizes, cache_tiers), cache_tiers,
+                      TimedPolicy(policy, self.tiers.compute))
+            stats = self._run(run, tokens, valid, pos, sizes, steps, consume, until, limit)
         self.last_run = stats
         return stats
 
-    def _run(self, tokens, valid, pos, sizes, capacity, steps, policy, consume, until):
-        """run's body: tokens, valid, pos (B, S) from left_pad; sizes: the GPU batches."""
-        timed = TimedPolicy(policy, self.tiers.compute)
-        cache = self._allocate_cache(capacity, sizes)
-        self._pool, self._stored = [None] * POOL, [DONE] * POOL   # pool slot -> its last store
-        self._home_stored, self._step_stores = {}, []   # home -> its latest store; this step's
+    def _run(self, run: Run, tokens, valid, pos, sizes, steps, consume, until, limit):
+        """run's body: tokens, valid, pos (B, S) from left_pad; sizes: the GPU batches; limit:
+        positions wrap modulo it (None: they never need to)."""
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
         batches = [slice(a, a + b) for a, b in zip(starts, sizes)]
-        inputs = [self._step_input(pos[b], valid[b]) for b in batches]
+        inputs = [self._step_input(pos[b], valid[b], limit) for b in batches]
         feed = [tokens[b] for b in batches]
         next_pos = valid.sum(dim=1)
         stats = RunStats()
@@ -209,35 +223,33 @@ class Engine:
             for i in range(steps):
                 t0 = time.perf_counter()
                 if i > 0:
-                    inputs = [self._step_input(next_pos[b] + (i - 1), None) for b in batches]
-                feed = self._step(i, feed, inputs, cache, timed, consume)
+                    inputs = [self._step_input(next_pos[b] + (i - 1), None, limit)
+                              for b in batches]
+                feed = self._step(run, i, feed, inputs, consume)
                 _sync(self.tiers.compute)
                 stats.step_seconds.append(time.perf_counter() - t0)
-                timed.drain()                  # after the synchronize: every event completed
+                run.policy.drain()             # after the synchronize: every event completed
                 if until is not None and until():
                     break
         finally:
             for lane in self.lanes.values():       # no copy may outlive the run's buffers
                 lane.drain()
-            self._pool = self._stored = self._home_stored = self._step_stores = None
-        stats.eviction_seconds = timed.seconds()
+        stats.eviction_seconds = run.policy.seconds()
         stats.traffic = self.traffic.as_dict()
         return stats
 
-    def _step_input(self, pos, valid):
-        if self.wrap_positions:                  # timing only: the output is meaningless
-            pos = pos % self.config.max_positions
-        return self.model.step_input(pos, valid)
+    def _step_input(self, pos, valid, limit: int | None):
+        return self.model.step_input(pos if limit is None else pos % limit, valid)
 
-    def _allocate_cache(self, capacity: int, sizes: list[int]) -> list[list[KVBuffer]]:
-        """cache[k][j]: GPU batch k's buffer of block j, in its home tier."""
+    def _allocate_cache(self, capacity: int, sizes: list[int], tiers: list[str]
+                        ) -> list[list[KVBuffer]]:
+        """cache[k][j]: GPU batch k's buffer of block j, in its home tier tiers[k]."""
         cache = []
-        self._cache_tiers = self.placement.cache_tiers(len(sizes))   # cache[k]'s home tier
-        for tier, size in zip(self._cache_tiers, sizes):
+        for tier, size in zip(tiers, sizes):
             alloc = self.tiers.alloc(tier)
             if self.placement.compress_cache:      # K, V: only their 4-bit parts in the tier
                 alloc = _kv_in_ram(alloc)
-            bufs = G.allocate(self.model, capacity, size, alloc)   # alloc picks the device
+            bufs = allocate(self.model, capacity, size, alloc)   # alloc picks the device
             if self.placement.compress_cache:
                 put = lambda x, tier=tier: self.tiers.put(tier, x)   # noqa: E731
                 for b in bufs:
@@ -249,33 +261,33 @@ class Engine:
         """Attention (and eviction) for a cache in `tier` runs in this tier's memory."""
         return "cpu" if self.placement.cpu_cache_compute and tier in ("cpu", "disk") else "gpu"
 
-    def _step(self, i, feed, inputs, cache, policy, consume):
+    def _step(self, run: Run, i, feed, inputs, consume):
         """One token step over the (layer, GPU batch) grid -> next feed per batch."""
         overlap, nb = self.placement.overlap, len(feed)
         order = [(s, k) for s in range(len(self.stages)) for k in range(nb)]
         hidden, out = list(feed), [None] * nb
         weights = self._load_weights(0) if overlap else None
-        staged = self._load_cache(i, 0, order, cache) if overlap else None
+        staged = self._load_cache(run, i, 0, order) if overlap else None
         for n, (s, k) in enumerate(order):
             stage = self.stages[s]
             if k == 0:
                 w = (weights if overlap else self._load_weights(s)).wait()
                 if overlap and s + 1 < len(self.stages):
                     weights = self._load_weights(s + 1)      # prefetch the next layer's weights
-            buf = (staged if overlap else self._load_cache(i, n, order, cache)).wait()
+            buf = (staged if overlap else self._load_cache(run, i, n, order)).wait()
             if overlap and n + 1 < len(order):
-                staged = self._load_cache(i, n + 1, order, cache)   # and the next batch's cache
+                staged = self._load_cache(run, i, n + 1, order)   # and the next batch's cache
             h = self._fetch_hidden(hidden[k])
             if stage.kind == "head":
                 out[k] = consume(i, k, h, lambda x, w=w: self.model.head(x, w))
                 continue
-            h = self._compute(stage, w, h, inputs[k], buf, policy)
+            h = self._compute(stage, w, h, inputs[k], buf, run.policy)
             if buf is not None:
-                stored = self._store_cache(i, n, stage, k, cache, buf)
+                stored = self._store_cache(run, i, n, stage, k, buf)
                 if not overlap:
                     stored.wait()
             hidden[k] = self._park_hidden(h)
-        stores, self._step_stores = self._step_stores, []
+        stores, run.step_stores = run.step_stores, []
         for t in stores:                  # all of them: a ticket replaced in a pool slot too
             t.wait()
         return out
@@ -292,7 +304,7 @@ class Engine:
         return m.mlp_half(w, h) if stage.kind == "block" else h
 
     # ------------------------------------------------------------------ cache
-    def _load_cache(self, i: int, n: int, order, cache) -> Ticket:
+    def _load_cache(self, run: Run, i: int, n: int, order) -> Ticket:
         """Ticket for the buffer that grid cell n = (stage, k) computes with: the home itself,
         or a working buffer (fresh for a prefill, else a copy of the home) from a pool of
         POOL, reused once the store of its previous user is done."""
@@ -300,8 +312,8 @@ class Engine:
         stage = self.stages[s]
         if not stage.has_cache:
             return DONE
-        home, tier = cache[k][stage.layer], self._cache_tiers[k]
-        stored = self._home_stored.get((k, stage.layer), DONE)   # its latest store
+        home, tier = run.cache[k][stage.layer], run.cache_tiers[k]
+        stored = run.home_stored.get((k, stage.layer), DONE)   # its latest store
         direct_cpu = tier == "cpu" and self.placement.cpu_cache_compute and i > 0
         if (tier == "gpu" or direct_cpu) and not self.placement.compress_cache:
             stored.wait()                              # e.g. the prefill's store into it
@@ -309,12 +321,12 @@ class Engine:
         if i == 0:                                     # prefill computes on the compute device
             return Ticket(_like(home, self.tiers.compute))
         slot = n % POOL
-        work = self._pool[slot]
+        work = run.pool[slot]
         dst = self._work_tier(tier)
         dev = self.tiers.device(dst)
         if work is None or work.device != dev or work.valid.shape != home.valid.shape:
-            work = self._pool[slot] = _like(home, dev)
-        previous = self._stored[slot]
+            work = run.pool[slot] = _like(home, dev)
+        previous = run.stored[slot]
         self.traffic.add(tier, dst, home.nbytes())
 
         def load():
@@ -324,10 +336,11 @@ class Engine:
             return work
         return self.lanes["load_cache"].submit(load)
 
-    def _store_cache(self, i: int, n: int, stage: Stage, k: int, cache, work: KVBuffer) -> Ticket:
+    def _store_cache(self, run: Run, i: int, n: int, stage: Stage, k: int, work: KVBuffer
+                     ) -> Ticket:
         """Store a working buffer into its home -> the store's ticket, also kept for the
         home's next load, the pool slot's next user and the end of the step."""
-        home, tier = cache[k][stage.layer], self._cache_tiers[k]
+        home, tier = run.cache[k][stage.layer], run.cache_tiers[k]
         if work is home:
             return DONE
         src = "gpu" if i == 0 else self._work_tier(tier)    # prefill computes on the device
@@ -335,10 +348,10 @@ class Engine:
         def store():
             self.traffic.add(src, tier, store_into(home, work))
         ticket = self.lanes["store_cache"].submit(store, key=(k, stage.layer))
-        self._home_stored[(k, stage.layer)] = ticket
-        if work is self._pool[n % POOL]:               # a prefill buffer is not pooled
-            self._stored[n % POOL] = ticket
-        self._step_stores.append(ticket)
+        run.home_stored[(k, stage.layer)] = ticket
+        if work is run.pool[n % POOL]:                 # a prefill buffer is not pooled
+            run.stored[n % POOL] = ticket
+        run.step_stores.append(ticket)
         return ticket
 
     def _count_shipping(self, b: int):
@@ -414,6 +427,36 @@ class TimedPolicy:
 
 
 # ---------------------------------------------------------------------------- helpers
+
+def left_pad(prompts: list[list[int]], pad_id: int, device):
+    """-> tokens (B, S), valid (B, S) bool, positions (B, S) counted over real tokens."""
+    if any(len(p) == 0 for p in prompts):
+        raise UserError("empty prompt: every prompt needs at least one token")
+    s = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), s), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(prompts), s, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        tokens[i, s - len(p):] = torch.tensor(p, dtype=torch.long)
+        valid[i, s - len(p):] = True
+    pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+    return tokens.to(device), valid.to(device), pos.to(device)
+
+
+def check_length(config, prompt_len: int, new_tokens: int):
+    limit = config.max_positions
+    if prompt_len + new_tokens - 1 > limit:
+        raise UserError(f"prompt of {prompt_len} tokens + {new_tokens} new tokens exceeds the "
+                        f"model's maximum of {limit} positions; shorten the prompt or "
+                        "--max-new-tokens")
+
+
+def allocate(model: Transformer, capacity: int, batch: int, alloc=zeros) -> list[KVBuffer]:
+    """One KV buffer per layer for `batch` sequences; alloc picks the memory (kv.KVBuffer)."""
+    c = model.config
+    return [KVBuffer(capacity, batch * c.num_kv_heads, c.dim_head, model.dtype, model.device,
+                     kv_heads=c.num_kv_heads, layer=j, alloc=alloc)
+            for j in range(c.num_layers)]
+
 
 def _place(tiers: Tiers, tier: str, name: str, t: torch.Tensor, pack: bool, placement) -> Home:
     """Put one weight in its tier: compressed (2-D weights only) when asked, prepacked for

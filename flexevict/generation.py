@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .engine import Engine, check_length, left_pad  # noqa: F401 - left_pad: callers' helper
 from .errors import UserError
-from .kv import KVBuffer, zeros
-from .model import Transformer
 from .progress import Progress
 
 
@@ -76,44 +75,6 @@ class Sampler:
                           for r, g in enumerate(self.row_gens[rows])]).squeeze(-1)
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, device):
-    """-> tokens (B, S), valid (B, S) bool, positions (B, S) counted over real tokens."""
-    if any(len(p) == 0 for p in prompts):
-        raise UserError("empty prompt: every prompt needs at least one token")
-    s = max(len(p) for p in prompts)
-    tokens = torch.full((len(prompts), s), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(prompts), s, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        tokens[i, s - len(p):] = torch.tensor(p, dtype=torch.long)
-        valid[i, s - len(p):] = True
-    pos = (valid.long().cumsum(1) - 1).clamp(min=0)
-    return tokens.to(device), valid.to(device), pos.to(device)
-
-
-def check_length(config, prompt_len: int, new_tokens: int):
-    limit = config.max_positions
-    if prompt_len + new_tokens - 1 > limit:
-        raise UserError(f"prompt of {prompt_len} tokens + {new_tokens} new tokens exceeds the "
-                        f"model's maximum of {limit} positions; shorten the prompt or "
-                        "--max-new-tokens")
-
-
-def allocate(model: Transformer, capacity: int, batch: int, alloc=zeros) -> list[KVBuffer]:
-    """One KV buffer per layer for `batch` sequences; alloc picks the memory (kv.KVBuffer)."""
-    c = model.config
-    return [KVBuffer(capacity, batch * c.num_kv_heads, c.dim_head, model.dtype, model.device,
-                     kv_heads=c.num_kv_heads, layer=j, alloc=alloc)
-            for j in range(c.num_layers)]
-
-
-def forward(model: Transformer, tokens, inp, bufs, policy) -> torch.Tensor:
-    """Embed, run every layer over its buffer, return final hidden states (not logits)."""
-    h = model.embed(tokens, inp)
-    for j, buf in enumerate(bufs):
-        h = model.layer(j, h, inp, buf, policy)
-    return h
-
-
 def plan_batches(lengths: list[int], max_new_tokens: int, policy, batch_size: int) -> list[list[int]]:
     """Indices of sequences grouped into batches of at most batch_size, shortest first, such
     that each sequence's greedy tokens are the same as when it runs alone: only sequences with
@@ -127,7 +88,6 @@ def plan_batches(lengths: list[int], max_new_tokens: int, policy, batch_size: in
 def as_engine(model):
     """The engine that runs `model`: an Engine as is, or a loaded Transformer with every weight
     resident on its device (no offloading)."""
-    from .engine import Engine
     return model if isinstance(model, Engine) else Engine.resident(model)
 
 

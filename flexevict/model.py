@@ -1,9 +1,10 @@
 """White-box OPT and LLaMA in plain PyTorch.
 
-The model is three functions over explicit weights: `embed` (tokens -> hidden), `layer` (one
-transformer block, reading and writing that layer's `KVBuffer` through the policy), and `head`
-(hidden -> logits). Keeping them apart lets the offloading engine stream one layer's weights at a
-time and reuse them over several GPU batches. Shapes: B batch, S sequence, H query heads,
+The model is four functions over explicit weights: `embed` (tokens -> hidden), a block's
+`attention_half` (reading and writing that layer's `KVBuffer` through the policy) and
+`mlp_half`, and `head` (hidden -> logits). The only caller is the engine (engine.py), which
+streams one layer's weights at a time and reuses them over several GPU batches: there is no
+second forward loop. Shapes: B batch, S sequence, H query heads,
 Hk kv heads, d head dim, D hidden, R = B * Hk buffer rows.
 """
 from __future__ import annotations
@@ -249,11 +250,6 @@ class Transformer:
         return linear(h, o["lm_head"]).float()
 
     # ------------------------------------------------------------------ one layer
-    def layer(self, j: int, h: torch.Tensor, inp: StepInput, buf: KVBuffer, policy) -> torch.Tensor:
-        """One block with resident weights. h: (B, S, D) in prefill or (B, D) in decode."""
-        w = self.layers[j]
-        return self.mlp_half(w, self.attention_half(w, h, inp, buf, policy))
-
     def attention_half(self, w: dict, h: torch.Tensor, inp: StepInput, buf: KVBuffer,
                        policy) -> torch.Tensor:
         """Norm, attention over `buf` (updated through `policy`), residual. The engine runs the

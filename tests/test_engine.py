@@ -173,8 +173,15 @@ def test_positions_wrap_only_when_asked():
     prompts = rand_prompts([500], seed=6)
     with pytest.raises(UserError, match="maximum of 512 positions"):
         generate(e, prompts, 20, get_policy("full"))
-    e.wrap_positions = True                                       # bench --ignore-max-positions
-    assert len(generate(e, prompts, 20, get_policy("h2o", budget=0.2))[0]) == 20
+    tokens = []                                                   # bench --ignore-max-positions
+
+    def greedy(i, k, h, head):
+        tokens.append(head(h[:, -1] if h.dim() == 3 else h).argmax(-1))
+        return tokens[-1]
+    e.run(prompts, 20, get_policy("h2o", budget=0.2), greedy, wrap_positions=True)
+    assert len(tokens) == 20
+    with pytest.raises(UserError, match="maximum of 512 positions"):  # a flag of that run only
+        e.run(prompts, 20, get_policy("full"), greedy)
 
 
 def test_generate_and_eval_clis_take_placement_flags(tmp_path):

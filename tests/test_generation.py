@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import flexevict.generation as G
+import flexevict.engine as E
 import flexevict.kv
 from flexevict.config import ModelConfig
 from flexevict.errors import UserError
@@ -15,6 +15,7 @@ from flexevict.model import Transformer
 from flexevict.policies import get_policy
 from flexevict.policies.full import Full
 from flexevict.weights import DummyWeights
+from tiny import engine_logits
 
 # untied heads: with a tied N(0, 1) embedding the dummy model just repeats the last prompt token,
 # which would make most checks below trivially true
@@ -68,19 +69,9 @@ def test_batch_logits_equal_alone(key):
     prompts = rand_prompts([3, 9], seed=4)
     policy = get_policy("full")
 
-    @torch.inference_mode()
     def logits(ps, feed):
-        s = max(len(p) for p in ps)
-        bufs = G.allocate(model, policy.capacity(s, len(feed) + 1), len(ps))
-        tokens, valid, pos = left_pad(ps, 0, "cpu")
-        out = [model.head(G.forward(model, tokens, model.step_input(pos, valid), bufs,
-                                    policy)[:, -1])]
-        nxt = valid.sum(1)
-        for t in feed:
-            h = G.forward(model, torch.tensor(t), model.step_input(nxt, None), bufs, policy)
-            out.append(model.head(h))
-            nxt = nxt + 1
-        return torch.stack(out, 1)                       # (B, steps, V)
+        prefill, steps = engine_logits(model, ps, feed, policy)
+        return torch.stack([prefill[:, -1], *steps], 1)  # (B, steps, V)
 
     feed = [[7, 8], [9, 10], [11, 12]]
     both = logits(prompts, feed)
@@ -120,12 +111,7 @@ def test_sampling_seeded(key):
 def test_top_k_restricts_first_token():
     model = model_for("opt")
     prompt = rand_prompts([6], seed=6)[0]
-    with torch.inference_mode():
-        tokens, valid, pos = left_pad([prompt], 0, "cpu")
-        policy = get_policy("full")
-        bufs = G.allocate(model, policy.capacity(len(prompt), 1), 1)
-        logits = model.head(G.forward(model, tokens, model.step_input(pos, valid), bufs,
-                                      policy)[0, -1])
+    logits = engine_logits(model, [prompt], [], get_policy("full"))[0][0, -1]
     top3 = set(torch.topk(logits, 3).indices.tolist())
     firsts = {run(model, [prompt], n=1, sampling=Sampling(greedy=False, top_k=3,
                                                           temperature=5.0, seed=s))[0][0]
@@ -283,14 +269,14 @@ def test_kv_buffer_never_grows(monkeypatch):
     policy = get_policy("full")
     prompts = rand_prompts([4, 6], seed=8)
     seen = []
-    real = G.allocate
+    real = E.allocate
 
     def spy(*a):
         bufs = real(*a)
         seen.extend(bufs)
         return bufs
 
-    monkeypatch.setattr(G, "allocate", spy)
+    monkeypatch.setattr(E, "allocate", spy)
     run(model, prompts, n=5)
     assert len(seen) == model.config.num_layers
     cap = policy.capacity(6, 5)

@@ -13,7 +13,6 @@ from tiny import CONFIGS, model_for, rand_prompts
 
 import flexevict.engine as engine_mod
 import flexevict.offload as offload
-from flexevict import generation as G
 from flexevict.engine import Engine, TimedPolicy, _like
 from flexevict.generation import generate
 from flexevict.kernels.quant import Packed4bit
@@ -53,7 +52,7 @@ def test_a_buffer_lives_entirely_in_its_home_tier(tier, compress, tmp_path):
     tiers = Tiers(META, str(tmp_path), pin=False)
     model = SimpleNamespace(config=CONFIGS["llama-gqa"], dtype=torch.float32, device=META)
     try:
-        for buf in G.allocate(model, 8, 3, tiers.alloc(tier)):
+        for buf in engine_mod.allocate(model, 8, 3, tiers.alloc(tier)):
             if compress:
                 put = lambda x: tiers.put(tier, x)  # noqa: E731
                 buf.k, buf.v = engine_mod.compressed(buf.k, put), engine_mod.compressed(buf.v, put)

@@ -15,16 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-import flexevict.generation as G
 import flexevict.model as fmodel
 from flexevict import kernels
+from flexevict.engine import left_pad
 from flexevict.generation import Sampling, generate
 from flexevict.kernels import ext
 from flexevict.kernels import reference as ref
 from flexevict.model import Transformer, causal_attention, prefill_mask
 from flexevict.policies import POLICIES, get_policy
 from flexevict.weights import DummyWeights
-from tiny import CONFIGS, model_for, rand_prompts
+from tiny import CONFIGS, engine_logits, model_for, rand_prompts
 
 T = torch.Tensor
 CUDA = torch.cuda.is_available()
@@ -387,15 +387,13 @@ def test_model_prefill_equals_eager_attention(arch, name, monkeypatch):
 
     def prefill(model):
         policy = get_policy(name, budget_tokens=None if name == "full" else 8)
-        s = max(map(len, prompts))
-        bufs = G.allocate(model, policy.capacity(s, 4), len(prompts))
         real = policy.prefill
         policy.prefill = lambda buf, k, v, pos, valid, scores=None, **kw: (
             seen.setdefault(buf.layer, []).append(scores), real(buf, k, v, pos, valid, scores))
-        tokens, valid, pos = G.left_pad(prompts, 0, "cpu")
-        h = G.forward(model, tokens, model.step_input(pos, valid), bufs, policy)
-        assert h.isfinite().all()
-        return model.head(h)[valid], valid
+        logits, _ = engine_logits(model, prompts, [], policy)       # (B, S, V)
+        assert logits.isfinite().all()
+        valid = left_pad(prompts, 0, "cpu")[1]
+        return logits[valid], valid
 
     with torch.inference_mode():
         got, valid = prefill(model)

@@ -13,10 +13,13 @@ import torch
 
 import flexevict.api
 import flexevict.errors
-import flexevict.generation as G
+import flexevict.engine as E
 import flexevict.model
 import flexevict.policies
 import flexevict.weights
+from flexevict.engine import Engine
+from flexevict.placement import Placement
+from tiny import engine_logits
 
 ATOL = 1e-4
 DECODE_STEPS = 16
@@ -80,13 +83,13 @@ CONFIGS = {
 
 
 def load_engine(folder):
+    """The model as every command loads it: an Engine under the default placement."""
     cfg, path = flexevict.api.resolve_model(folder)
     src = flexevict.weights.open_weights(path, cfg)
     try:
-        model = flexevict.model.Transformer.load(cfg, src)
+        return Engine.load(cfg, src, Placement(), "cpu", torch.float32)
     finally:
         src.close()
-    return model
 
 
 def prompts_for(batch, length, vocab, seed):
@@ -94,22 +97,10 @@ def prompts_for(batch, length, vocab, seed):
     return torch.randint(3, vocab, (batch, length), generator=gen).tolist()
 
 
-@torch.inference_mode()
 def engine_run(model, prompts, decode_tokens):
-    """Prefill logits (B, S, V) and one (B, V) logits per token fed in decode_tokens."""
-    policy = flexevict.policies.get_policy("full")
-    s = max(len(p) for p in prompts)
-    bufs = G.allocate(model, policy.capacity(s, len(decode_tokens) + 1), len(prompts))
-    tokens, valid, pos = G.left_pad(prompts, 0, "cpu")
-    h = G.forward(model, tokens, model.step_input(pos, valid), bufs, policy)
-    prefill = model.head(h)
-    steps = []
-    next_pos = valid.sum(1)
-    for tok in decode_tokens:
-        h = G.forward(model, tok, model.step_input(next_pos, None), bufs, policy)
-        steps.append(model.head(h))
-        next_pos = next_pos + 1
-    return prefill, steps
+    """Prefill logits (B, S, V) and one (B, V) logits per token fed in decode_tokens, through
+    the engine (the path every command runs)."""
+    return engine_logits(model, prompts, decode_tokens, flexevict.policies.get_policy("full"))
 
 
 @torch.inference_mode()
@@ -158,7 +149,7 @@ def test_sliding_window_is_honoured_or_refused(hf_model_factory):
     model = load_engine(folder)
     prompts = prompts_for(1, 13, model.config.vocab_size, seed=1)
     try:
-        G.check_length(model.config, 13, DECODE_STEPS + 1)
+        E.check_length(model.config, 13, DECODE_STEPS + 1)
     except flexevict.errors.UserError:
         return                                          # refused: fine
     assert_logits_match(hf, model, prompts)
@@ -176,7 +167,7 @@ def test_engine_config_reads_saved_hf_config(hf_model_factory):
     assert cfg.num_kv_heads == saved["num_key_value_heads"] == 2
     model = load_engine(folder)
     hf_inv = hf.model.rotary_emb.inv_freq.float()
-    torch.testing.assert_close(model.inv_freq, hf_inv, rtol=1e-6, atol=0)
+    torch.testing.assert_close(model.model.inv_freq, hf_inv, rtol=1e-6, atol=0)
     # and the scaling really changed the frequencies (else the test above proves nothing)
     d = cfg.dim_head
     plain = 1.0 / (50000.0 ** (torch.arange(0, d, 2).float() / d))
@@ -189,7 +180,7 @@ def test_default_rope_config(hf_model_factory):
     cfg, _ = flexevict.api.resolve_model(folder)
     assert cfg.rope_scaling is None
     assert cfg.rope_theta == 12345.0
-    torch.testing.assert_close(load_engine(folder).inv_freq, hf.model.rotary_emb.inv_freq.float(),
+    torch.testing.assert_close(load_engine(folder).model.inv_freq, hf.model.rotary_emb.inv_freq.float(),
                                rtol=1e-6, atol=0)
 
 

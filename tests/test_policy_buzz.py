@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import flexevict.generation as G
+import flexevict.engine as E
 import flexevict.policies.buzz  # noqa: F401  (registers buzz, buzz-logn)
 from flexevict.errors import UserError
 from flexevict.generation import Sampling, generate
@@ -282,13 +282,13 @@ class Traced:
 
     def __init__(self, monkeypatch):
         self.bufs = []
-        orig = G.allocate
+        orig = E.allocate
 
         def allocate(*a, **kw):
             out = orig(*a, **kw)
             self.bufs.append(out)
             return out
-        monkeypatch.setattr(G, "allocate", allocate)
+        monkeypatch.setattr(E, "allocate", allocate)
 
     def run(self, model, ps, n_new, policy, check=None):
         if check is not None:

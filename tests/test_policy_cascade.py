@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-import flexevict.generation as G
+import flexevict.engine as E
 import flexevict.policies.cascade  # noqa: F401  (registers the policy)
 from flexevict.errors import UserError
 from flexevict.generation import Sampling, generate
@@ -405,7 +405,7 @@ def traced(monkeypatch, model, prompts, n_new, policy, check=None):
     """generate() with the buffers recorded (kv_heads set, as the engine should) and `check`
     called after every after_attention; -> (outputs, buffers, per-step logits)."""
     bufs, logits = [], []
-    real_alloc = G.allocate
+    real_alloc = E.allocate
 
     def alloc(*a):
         out = real_alloc(*a)
@@ -413,7 +413,7 @@ def traced(monkeypatch, model, prompts, n_new, policy, check=None):
             b.kv_heads = model.config.num_kv_heads
         bufs.extend(out)
         return out
-    monkeypatch.setattr(G, "allocate", alloc)
+    monkeypatch.setattr(E, "allocate", alloc)
     real_after = policy.after_attention
 
     def after(buf, slot, probs):

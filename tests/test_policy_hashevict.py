@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import flexevict.generation as G
+import flexevict.engine as E
 import flexevict.model
 import flexevict.policies.hashevict  # noqa: F401  (registers "hashevict")
 from flexevict.errors import UserError
@@ -347,14 +347,14 @@ def test_prefill_recent_global():
 # ------------------------------------------------------------------------------ end to end
 
 from tiny import CONFIGS as CFGS, model_for, rand_prompts as prompts
-_ALLOCATE = G.allocate
+_ALLOCATE = E.allocate
 
 
 
 def traced_generate(monkeypatch, model, ps, gen_len, policy):
     """generate() that checks every step's buffers; -> (outputs, buffers, steps seen)."""
     bufs, steps = [], []
-    monkeypatch.setattr(G, "allocate", lambda *a: bufs.extend(_ALLOCATE(*a)) or bufs)
+    monkeypatch.setattr(E, "allocate", lambda *a: bufs.extend(_ALLOCATE(*a)) or bufs)
     after, pre = policy.after_attention, policy.prefill
     sinks, recent = policy.opts["sinks"], policy.opts["recent"]
 

@@ -4,7 +4,7 @@ through the real model, bit-identity with `full` when nothing is evicted, and ba
 import pytest
 import torch
 
-import flexevict.generation as G
+import flexevict.engine as E
 import flexevict.policies.scissorhands  # noqa: F401  (registers "scissorhands")
 from flexevict.errors import UserError
 from flexevict.generation import Sampling, generate
@@ -173,14 +173,14 @@ def test_prefill_with_prompt_bits_then_decode():
 # ------------------------------------------------------------------ invariants through the model
 
 def _spy_allocate(monkeypatch):
-    seen, real = [], G.allocate
+    seen, real = [], E.allocate
 
     def spy(*a):
         bufs = real(*a)
         seen.extend(bufs)
         return bufs
 
-    monkeypatch.setattr(G, "allocate", spy)
+    monkeypatch.setattr(E, "allocate", spy)
     return seen
 
 

@@ -3,7 +3,7 @@ through the real model, bit-identity with `full` when nothing is evicted, and ba
 import pytest
 import torch
 
-import flexevict.generation as G
+import flexevict.engine as E
 import flexevict.policies.tova  # noqa: F401  (registers "tova")
 from flexevict.errors import UserError
 from flexevict.generation import Sampling, generate
@@ -121,7 +121,7 @@ def _trace(monkeypatch, policy, check):
 
 
 def _spy_allocate(monkeypatch, kv_heads=None):
-    seen, real = [], G.allocate
+    seen, real = [], E.allocate
 
     def spy(*a):
         bufs = real(*a)
@@ -131,7 +131,7 @@ def _spy_allocate(monkeypatch, kv_heads=None):
         seen.extend(bufs)
         return bufs
 
-    monkeypatch.setattr(G, "allocate", spy)
+    monkeypatch.setattr(E, "allocate", spy)
     return seen
 
 

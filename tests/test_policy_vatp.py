@@ -9,7 +9,7 @@ differing only by the value norm. Bad input raises UserError.
 import pytest
 import torch
 
-import flexevict.generation as G
+import flexevict.engine as E
 import flexevict.policies.vatp  # noqa: F401  (registers vatp, vatp-pin)
 from flexevict.errors import UserError
 from flexevict.generation import Sampling, generate
@@ -333,11 +333,11 @@ def test_ablation_differs_only_by_value_norm(key, base, monkeypatch):
     model = model_for(key)
     prompts = rand_prompts([50, 50], seed=5)
     bufs = {}
-    real_alloc = G.allocate
+    real_alloc = E.allocate
 
     def run(name, **patch):
         seen = []
-        monkeypatch.setattr(G, "allocate", lambda *a: seen.extend(real_alloc(*a)) or seen)
+        monkeypatch.setattr(E, "allocate", lambda *a: seen.extend(real_alloc(*a)) or seen)
         if patch:
             monkeypatch.setattr(ValueAware, "value_weight", patch["weight"])
         out = run_policy(model, prompts, 10, get_policy(name, budget=0.25, sinks=3, **base),

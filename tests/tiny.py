@@ -42,3 +42,29 @@ def decode_step(policy, buf, pos, probs):
     policy.before_attention(buf, slot, torch.randn(rows, probs.shape[1], 2))
     assert probs.shape[-1] == buf.attended(slot)
     policy.after_attention(buf, slot, probs)
+
+
+@torch.inference_mode()
+def engine_logits(model, prompts, feed, policy):
+    """Logits through the path users run (`Engine.run`, of an Engine or a resident model),
+    teacher-forced:
+    the prompts' prefill logits (B, S, V), then one (B, V) per token of `feed` (a list of (B,)
+    token tensors or lists fed one step each, left padding as `left_pad` makes it)."""
+    from flexevict.generation import as_engine
+    engine = as_engine(model)
+    out: dict = {}
+
+    def consume(i, k, h, head):
+        out.setdefault(i, {})[k] = head(h)
+        if i < len(feed):
+            return torch.as_tensor(feed[i], device=h.device)[_rows(engine, prompts, k)]
+        return head(h).argmax(-1)
+
+    engine.run(prompts, len(feed) + 1, policy, consume)
+    logits = [torch.cat([step[k] for k in sorted(step)]) for _, step in sorted(out.items())]
+    return logits[0], logits[1:]
+
+
+def _rows(engine, prompts, k: int) -> slice:
+    sizes = engine.placement.batch_split(len(prompts))
+    return slice(sum(sizes[:k]), sum(sizes[:k + 1]))

@@ -104,7 +104,6 @@ def run(args) -> dict:
     with out_of_memory(plan, device, limit):
         engine = Engine.load(config, open_weights(path, config, args.seed), placement, device,
                              dtype)
-        engine.wrap_positions = args.ignore_max_positions
         try:
             prompts = _random_prompts(config, n, args.prompt_len, args.seed)
             if not args.no_warmup:
@@ -112,7 +111,8 @@ def run(args) -> dict:
                 engine.run(_random_prompts(config, n, length, args.seed + 1),
                            min(WARMUP_TOKENS, args.gen_len), warm, _greedy)
             _reset_peaks(device)
-            stats = _timed_run(engine, prompts, steps, args.gen_len, policy)
+            stats = _timed_run(engine, prompts, steps, args.gen_len, policy,
+                               args.ignore_max_positions)
         finally:
             engine.close()
     result = _result(args, config, placement, plan, policy, stats, device, n, steps)
@@ -161,7 +161,7 @@ def warmup_policy(spec: PolicySpec, max_prompt: int) -> tuple[Policy, int]:
     return dataclasses.replace(spec, budget=None, budget_tokens=slots).make(), length
 
 
-def _timed_run(engine, prompts, steps, gen_len, policy):
+def _timed_run(engine, prompts, steps, gen_len, policy, wrap_positions: bool):
     bar = Progress(steps, "bench", "step", "tokens")
     nvml, host = _NvmlPeak(engine.tiers.compute), HostMemoryPeak()
     host.sample()
@@ -172,7 +172,8 @@ def _timed_run(engine, prompts, steps, gen_len, policy):
         host.sample()
         return False
     try:
-        stats = engine.run(prompts, steps, policy, _greedy, until=tick, plan_steps=gen_len)
+        stats = engine.run(prompts, steps, policy, _greedy, until=tick, plan_steps=gen_len,
+                           wrap_positions=wrap_positions)
     finally:
         bar.close()
     stats.nvml_peak, stats.host_peak = nvml.peak, host
