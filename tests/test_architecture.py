@@ -1,0 +1,111 @@
+"""The package's import graph has no cycle.
+
+Importing every module in a fresh interpreter in each order is not enough (a function-local
+import hides a cycle until the function runs), so this reads the graph from the source: every
+import statement, at module level or inside a function, and the parent packages that importing
+a submodule runs first (`import flexevict.kernels.quant` executes `flexevict/kernels/__init__.py`).
+"""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = {"flexevict": "flexevict", "flexevict.policies": "policies"}   # setup.py package_dir
+EXTENSIONS = {"flexevict._C": "(compiled from cuda/)"}    # setup.py ext_modules: no imports
+
+
+def modules() -> dict[str, str]:
+    """Dotted module name -> source file, for every module of the installed packages."""
+    out = {}
+    for package, folder in PACKAGES.items():
+        for path, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(path, f), os.path.join(ROOT, folder))
+                    name = rel[:-3].replace(os.sep, ".").removesuffix("__init__").rstrip(".")
+                    out[f"{package}.{name}".rstrip(".")] = os.path.join(path, f)
+    return out | EXTENSIONS
+
+
+def imported(module: str, path: str, known: dict) -> set[str]:
+    """The known modules that `module` imports: each module an import statement names (a
+    package counts when a name is taken from it that is not a submodule, e.g. a registry
+    function), plus the parent packages that importing it runs first, except `module`'s own
+    ancestors (Python runs those before `module` anyway)."""
+    base = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    named = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            named |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = base.split(".")
+            parent = ".".join(parts[:len(parts) - node.level + 1]) if node.level else ""
+            origin = ".".join(p for p in (parent, node.module) if p)
+            for a in node.names:
+                sub = f"{origin}.{a.name}"
+                named.add(sub if sub in known else origin)
+    found = set()
+    for name in named & set(known):
+        found.add(name)
+        parts = name.split(".")
+        found |= {p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+                  if not module.startswith(p + ".")}
+    return found - {module}
+
+
+def cycles(graph: dict[str, set]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_has_no_cycle():
+    known = modules()
+    graph = {m: set() if m in EXTENSIONS else imported(m, p, known) for m, p in known.items()}
+    assert len(graph) > 40 and graph["flexevict.generation"]          # the graph is real
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("from . import engine", {"flexevict.engine"}),
+    ("def f():\n    from .kernels.quant import Packed4bit", {"flexevict.kernels",
+                                                           "flexevict.kernels.quant"}),
+    ("from . import register", {"flexevict"}),              # a name from the parent package
+    ("import flexevict.engine as E", {"flexevict.engine"}),
+])
+def test_function_local_and_parent_imports_count(tmp_path, source, expected):
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    known = {"flexevict": "", "flexevict.engine": "", "flexevict.kernels": "",
+             "flexevict.kernels.quant": "", "flexevict.m": str(path)}
+    assert imported("flexevict.m", str(path), known) == expected
