@@ -29,9 +29,9 @@ import torch
 from common import write_json
 
 from flexevict.bench.throughput import parse_args as bench_args, run as bench_run
-from flexevict.generation import Sampling
+from flexevict.runtime.generation import Sampling
 from flexevict.jobs import JobSpec, run_job
-from flexevict.placement import Placement
+from flexevict.runtime.placement import Placement
 from flexevict.policies import PolicySpec
 
 

@@ -17,9 +17,9 @@ import torch
 from common import write_json
 
 from flexevict import LLM
-from flexevict.generation import Sampling, generate, plan_batches
+from flexevict.runtime.generation import Sampling, generate, plan_batches
 from flexevict.policies import PolicySpec
-from flexevict.tasks import news_articles
+from flexevict.evaluation.tasks import news_articles
 
 
 def prompts(n: int, seed: int = 0) -> list[str]:

@@ -93,9 +93,9 @@ def budget_rows() -> list[dict]:
     import torch
     from flexevict import calibrate, plan as P
     from flexevict.api import resolve_model
-    from flexevict.costmodel import CostModel
-    from flexevict.memory import GIB
-    from flexevict.placement import Placement
+    from flexevict.runtime.costmodel import CostModel
+    from flexevict.runtime.memory import GIB
+    from flexevict.runtime.placement import Placement
     from flexevict.policies import PolicySpec
     h100 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "placement",
                         "calibration_h100_synthetic.json")

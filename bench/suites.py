@@ -684,7 +684,7 @@ def run_suite(suite: str, cases: list[dict], out: str, summary_json: str | None 
 
 
 def _packaged_smollm2():
-    from flexevict.packaged import smollm2_gguf
+    from flexevict.io.packaged import smollm2_gguf
     return smollm2_gguf()
 
 

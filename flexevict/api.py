@@ -12,16 +12,16 @@ import os
 
 import torch
 
-from .config import ModelConfig, registry_config, with_overrides
-from .errors import UserError
-from .engine import Engine
-from .generation import Sampling, generate, plan_batches, token_nll
-from .packaged import PACKAGED_MODELS
-from .placement import Placement
-from .policies import PolicySpec
-from .progress import Progress
-from .tokenizer import load_tokenizer
-from .weights import DUMMY, config_for_path, open_weights
+from flexevict.core.config import ModelConfig, registry_config, with_overrides
+from flexevict.errors import UserError
+from flexevict.runtime.engine import Engine
+from flexevict.runtime.generation import Sampling, generate, plan_batches, token_nll
+from flexevict.io.packaged import PACKAGED_MODELS
+from flexevict.runtime.placement import Placement
+from flexevict.policies import PolicySpec
+from flexevict.runtime.progress import Progress
+from flexevict.io.tokenizer import load_tokenizer
+from flexevict.io.weights import DUMMY, config_for_path, open_weights
 
 
 def resolve_model(model: str, path: str | None = None) -> tuple[ModelConfig, str]:

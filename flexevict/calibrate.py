@@ -54,7 +54,7 @@ import time
 
 import torch
 
-from .errors import UserError, cli_errors
+from flexevict.errors import UserError, cli_errors
 
 SCHEMA = 2
 MB = 1 << 20
@@ -373,7 +373,7 @@ def measure_parallel(quick: bool) -> float:
 
 def measure_lane_job(device: torch.device) -> float:
     """Seconds one job on a threaded lane costs the submitting thread (submit + wait)."""
-    from .offload import Lane
+    from flexevict.runtime.offload import Lane
     lane = Lane("calibrate", device, threaded=True)
     try:
         n = 200
@@ -395,7 +395,7 @@ def measure_device(device: torch.device, dtype: torch.dtype, quick: bool) -> dic
     shared with other work a disturbance can last seconds, longer than one measurement's
     repeats (each the best of a few), so everything is measured in ROUNDS rounds spread over
     time and each constant keeps its median (`_median_of`): what a run of many steps meets."""
-    from .model import onednn_usable
+    from flexevict.core.model import onednn_usable
     pack = onednn_usable(device, dtype)
     rounds = []
     for _ in range(1 if quick else ROUNDS.get(device.type, 3)):
@@ -440,7 +440,7 @@ def _median(values):
 
 def _linear_op(device, dtype, pack: bool):
     """(prepare(w), apply(x, prepared)) on the engine's path for this device and dtype."""
-    from .model import PackedWeight, linear
+    from flexevict.core.model import PackedWeight, linear
     if pack:
         return PackedWeight, linear
     return (lambda w: w), linear
@@ -449,7 +449,7 @@ def _linear_op(device, dtype, pack: bool):
 def measure_matmul(device, dtype, quick: bool) -> dict:
     """gemm_flops: (M x K) x (K x N) flop/s at a prefill shape; gemv_bw: weight bytes/s at
     M = 4 over more weights than the caches hold (decode is a stream of the weights)."""
-    from .model import onednn_usable
+    from flexevict.core.model import onednn_usable
     prep, apply = _linear_op(device, dtype, onednn_usable(device, dtype))
     gpu = device.type == "cuda"
     m, k = (4096, 4096) if gpu else ((256, 1024) if quick else (512, 2048))
@@ -498,8 +498,8 @@ def measure_prepare(device, dtype, quick: bool) -> dict:
     up and down projections, streamed in that order: the allocator recycles buffers of mixed
     sizes less well than of one size), "big": [[bytes, bytes/s]] for one 128 MB matrix (an
     LM head: above glibc's mmap threshold every reorder writes fresh pages, page faults)}."""
-    from .model import PackedWeight
-    from .offload import Lane
+    from flexevict.core.model import PackedWeight
+    from flexevict.runtime.offload import Lane
     elem = torch.empty((), dtype=dtype).element_size()
     lane = Lane("calibrate-prepare", device, threaded=True)
 
@@ -535,7 +535,7 @@ def measure_mem_bw(device, nbytes: int) -> float:
 
 def measure_quant(device, dtype, quick: bool) -> dict:
     """4-bit group quantisation (FlexGen's scheme) in full-precision bytes/s, each way."""
-    from .kernels.quant import dequantize_4bit, quantize_4bit
+    from flexevict.core.kernels.quant import dequantize_4bit, quantize_4bit
     rows = 1024 if quick else 4096
     x = torch.randn(rows, 1024, device=device, dtype=dtype)
     p = quantize_4bit(x, group=64, dim=-1)
@@ -547,8 +547,8 @@ def measure_quant(device, dtype, quick: bool) -> dict:
 def measure_attention(device, dtype, quick: bool) -> dict:
     """Decode attention (fixed + per slot x row x (g + 2) x d), and the flop/s of causal prefill
     attention (SDPA, 2 B H S^2 d flops) and of H2O's prompt column sums (B H S^2 d)."""
-    from . import kernels
-    from .model import causal_attention
+    from flexevict.core import kernels
+    from flexevict.core.model import causal_attention
     r, g, d = 32, 4, 64
     units, times = [], []
     for n in (64, 256) if quick else (64, 512, 2048):
@@ -574,7 +574,7 @@ def measure_attention(device, dtype, quick: bool) -> dict:
 # ---------------------------------------------------------------------------- fixed costs
 
 def tiny_config(arch: str, layers: int):
-    from .config import ModelConfig
+    from flexevict.core.config import ModelConfig
     return ModelConfig(arch=arch, name=f"calibrate-{arch}", vocab_size=128, hidden_size=64,
                        num_layers=layers, num_heads=4, num_kv_heads=2 if arch == "llama" else 4,
                        ffn_size=128, max_positions=512, tie_embeddings=False)
@@ -583,10 +583,10 @@ def tiny_config(arch: str, layers: int):
 def _tiny_steps(arch, layers, device, dtype, quick, **placement) -> tuple[float, float]:
     """(prefill seconds, decode step seconds) of the real engine on a tiny model, 2 GPU batches
     of 1 sequence, 16 prompt tokens: the step is the engine's fixed costs, nothing else."""
-    from .engine import Engine
-    from .placement import Placement
-    from .policies import get_policy
-    from .weights import DummyWeights
+    from flexevict.runtime.engine import Engine
+    from flexevict.runtime.placement import Placement
+    from flexevict.policies import get_policy
+    from flexevict.io.weights import DummyWeights
     config = tiny_config(arch, layers)
     offload = tempfile.mkdtemp(prefix="flexevict-calibrate-")
     p = Placement(num_gpu_batches=2, offload_dir=offload, **placement)
@@ -634,7 +634,7 @@ PROBE = {"batch": 2, "prompt": 128}
 def probe_config(arch: str):
     """A one-layer model of realistic width: its measured prefill halves let the cost model
     count the element-wise work a layer does besides its matmuls and attention."""
-    from .config import ModelConfig
+    from flexevict.core.config import ModelConfig
     return ModelConfig(arch=arch, name=f"probe-{arch}", vocab_size=128, hidden_size=512,
                        num_layers=1, num_heads=8, num_kv_heads=2 if arch == "llama" else 8,
                        ffn_size=1536, max_positions=512, tie_embeddings=False)
@@ -643,10 +643,10 @@ def probe_config(arch: str):
 def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
     """Seconds of the probe model's attention and MLP halves in a prefill of PROBE's batch and
     prompt (policy full), each the best of a few."""
-    from .engine import allocate
-    from .model import Transformer
-    from .policies import get_policy
-    from .weights import DummyWeights
+    from flexevict.runtime.engine import allocate
+    from flexevict.core.model import Transformer
+    from flexevict.policies import get_policy
+    from flexevict.io.weights import DummyWeights
     config = probe_config(arch)
     model = Transformer.load(config, DummyWeights(config, 0), device=device, dtype=dtype)
     b, s = PROBE["batch"], PROBE["prompt"]
@@ -688,10 +688,10 @@ def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
     engine probe, for "memory" (all in memory) and "stream" (weights on the cpu tier): a
     warm-up run, then the median of a run's steps after its first quarter (streaming settles
     over a few steps: the allocator learns to recycle the reordered weights' buffers)."""
-    from .engine import Engine
-    from .placement import Placement
-    from .policies import get_policy
-    from .weights import DummyWeights
+    from flexevict.runtime.engine import Engine
+    from flexevict.runtime.placement import Placement
+    from flexevict.policies import get_policy
+    from flexevict.io.weights import DummyWeights
     config = engine_probe_config(arch)
     e = ENGINE_PROBE
     n = e["gpu_batch_size"] * e["num_gpu_batches"]
@@ -746,7 +746,7 @@ def _fresh(spec, device, dtype, rows, d, cap, s):
     """A policy from spec with cap committed slots for an s-token prompt (a policy that keeps
     every token gets room for all of them), and its buffer -> (policy, buffer)."""
     import dataclasses
-    from .kv import KVBuffer
+    from flexevict.core.kv import KVBuffer
     try:
         policy = dataclasses.replace(spec, budget=None, budget_tokens=cap + 1).make()
         policy.capacity(s, 8)
@@ -780,7 +780,7 @@ def _policy_prefill(spec, device, dtype, rows, d, g, cap) -> float:
 
 def _policy_decode(spec, device, dtype, rows, d, g, cap, quick) -> float:
     """Seconds per decode step of the hooks alone, once the buffer is full."""
-    from .model import attend
+    from flexevict.core.model import attend
     s = _prompt_len(spec, cap)
     k, pos, valid, scores, q = _prompt(device, dtype, s, rows, d, g)
     policy, buf = _fresh(spec, device, dtype, rows, d, cap, s)
@@ -890,7 +890,7 @@ def main(argv=None):
             _write(args.out, data)
             print(f"wrote synthetic {args.synthetic} calibration to {args.out}")
             return
-        from .api import DTYPES, resolve_device
+        from flexevict.api import DTYPES, resolve_device
         device = resolve_device(args.device)
         if args.threads is not None and args.threads < 1:
             raise UserError(f"--threads must be >= 1 (got {args.threads})")

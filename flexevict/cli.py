@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from .config import known_names
-from .errors import UserError
+from flexevict.core.config import known_names
+from flexevict.errors import UserError
 
 
 def add_model_args(p: argparse.ArgumentParser, threads: int | None = None):
@@ -142,8 +142,8 @@ def placement_from_args(args, config=None, lengths: tuple | None = None, device=
     model allows: the model's maximum positions, with --max-new-tokens of them generated (a
     conservative choice: a smaller batch or more offloading than shorter prompts need). With
     auto, --gpu-batch-size 0 (generate's "unset") is auto too."""
-    from . import rundir
-    from .placement import Placement
+    from flexevict.runtime import rundir
+    from flexevict.runtime.placement import Placement
     _check_percent(args.percent)
     if has_auto(args):
         placement = _resolve(args, config, lengths, device, dtype, max_batch)
@@ -175,8 +175,8 @@ def _check_percent(percent):
 
 def _resolve(args, config, lengths, device, dtype, max_batch):
     """placement_from_args' auto path: fill in what the caller did not pass."""
-    from .api import DTYPES, resolve_device, resolve_model
-    from .plan import resolve_auto
+    from flexevict.api import DTYPES, resolve_device, resolve_model
+    from flexevict.plan import resolve_auto
     if config is None:
         config, _ = resolve_model(args.model, args.path)
     if device is None:
@@ -202,7 +202,7 @@ def add_policy_args(p: argparse.ArgumentParser):
 
 
 def policy_spec(args):
-    from .policies import PolicySpec
+    from flexevict.policies import PolicySpec
     if args.budget is not None and args.budget_tokens is not None:
         raise UserError("give --budget or --budget-tokens, not both")
     return PolicySpec.parse(args.policy, args.budget, args.budget_tokens, args.policy_arg)
@@ -218,7 +218,7 @@ def print_resolved(resolved: list[dict]):
 
 
 def load_llm(args, progress: bool = True):
-    from .api import LLM
+    from flexevict.api import LLM
     return LLM(args.model, path=args.path, device=args.device, dtype=args.dtype,
                seed=args.seed, progress=progress, placement=placement_from_args(args))
 
@@ -240,7 +240,7 @@ def read_jsonl_prompts(path: str) -> list[dict]:
     Every problem names the file and line (and the id): malformed JSON, a missing, empty or
     whitespace-only prompt, and a duplicate id (with both lines). Rows without an id are
     numbered by their line."""
-    from .jobs.inputs import read_all
+    from flexevict.jobs.inputs import read_all
     return read_all(path)
 
 
@@ -261,8 +261,8 @@ def check_prompt_lengths(rows: list[dict], encoded: list[list[int]], config,
 def check_prompts(args, rows: list[dict], max_new_tokens: int, path: str = "--prompt") -> None:
     """Tokenize every prompt with the model's tokenizer and check its length, before any
     weight is loaded (a bad last line must not fail a job after hours of work)."""
-    from .api import resolve_model
-    from .tokenizer import load_tokenizer
+    from flexevict.api import resolve_model
+    from flexevict.io.tokenizer import load_tokenizer
     config, weights = resolve_model(args.model, args.path)
     tok = load_tokenizer(weights)
     check_prompt_lengths(rows, [tok.encode(r["prompt"]) for r in rows], config, max_new_tokens,

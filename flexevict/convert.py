@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .api import resolve_model
-from .errors import cli_errors
-from .tokenizer import ByteTokenizer, load_tokenizer
-from .weights import convert, open_weights
+from flexevict.api import resolve_model
+from flexevict.errors import cli_errors
+from flexevict.io.tokenizer import ByteTokenizer, load_tokenizer
+from flexevict.io.weights import convert, open_weights
 
 
 def main(argv=None):

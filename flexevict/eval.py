@@ -12,7 +12,7 @@ With eviction, `ppl` prefills `--prefill-tokens` tokens (default: the slot count
 rest one token at a time through the decode path, evicting exactly as generation does.
 `agreement` compares greedy continuations with the full cache's. `passkey` hides a 5-digit key
 at several depths of filler text and checks the greedy answer. `sweep` runs policies x budgets x
-tasks (ppl, agreement, passkey, attention-loss; see flexevict/tasks.py) on packaged real text,
+tasks (ppl, agreement, passkey, attention-loss; see flexevict/evaluation/tasks.py) on packaged real text,
 resumably, and writes a results JSON, markdown tables, the papers' claims and PNG plots.
 """
 from __future__ import annotations
@@ -21,12 +21,12 @@ import argparse
 import json
 import os
 
-from .cli import (add_model_args, check_prompts, cpu_threads, load_llm, policy_spec,
+from flexevict.cli import (add_model_args, check_prompts, cpu_threads, load_llm, policy_spec,
                   print_resolved, read_jsonl_prompts, read_text)
-from .errors import UserError, cli_errors
-from .packaged import SWEEP_INSTALL, missing_sweep_needs
-from .policies import PolicySpec
-from .tasks import compare
+from flexevict.errors import UserError, cli_errors
+from flexevict.io.packaged import SWEEP_INSTALL, missing_sweep_needs
+from flexevict.policies import PolicySpec
+from flexevict.evaluation.tasks import compare
 
 
 def parse_args(argv=None):
@@ -60,8 +60,8 @@ def parse_args(argv=None):
 
 
 def add_sweep_args(p):
-    from .sweep import DEFAULT_BUDGETS, QUICK_BUDGETS
-    from .tasks import TASKS
+    from flexevict.evaluation.sweep import DEFAULT_BUDGETS, QUICK_BUDGETS
+    from flexevict.evaluation.tasks import TASKS
     p.add_argument("--out", required=True, help="folder for results.json, tables and plots")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {', '.join(TASKS)}")
     p.add_argument("--policies", default=None, help="comma list (default: every registered policy)")
@@ -121,7 +121,7 @@ def parse_fractions(spec: str, what: str) -> list[float]:
 
 
 def run_passkey(args) -> dict:
-    from .tasks import Passkey
+    from flexevict.evaluation.tasks import Passkey
     depths = parse_fractions(args.depths, "--depths")
     text = read_text(args.text) if args.text else None
     spec = policy_spec(args)
@@ -141,8 +141,8 @@ def model_key(args, llm) -> str:
 
 def sweep_inputs(args) -> tuple:
     """Check every sweep argument before the model loads -> (tasks, policies, budgets, text)."""
-    from .sweep import DEFAULT_BUDGETS, QUICK_BUDGETS, parse_budgets, parse_policies
-    from .tasks import parse_tasks
+    from flexevict.evaluation.sweep import DEFAULT_BUDGETS, QUICK_BUDGETS, parse_budgets, parse_policies
+    from flexevict.evaluation.tasks import parse_tasks
     if args.policy != "full" or args.budget is not None or args.budget_tokens is not None \
             or args.policy_arg:
         raise UserError("sweep takes --policies and --budgets (lists), not --policy, --budget, "
@@ -163,9 +163,9 @@ def sweep_inputs(args) -> tuple:
 
 
 def run_sweep_cli(args) -> dict:
-    from . import sweep_report as report
-    from .sweep import run_sweep, select
-    from .tasks import TASKS
+    from flexevict.evaluation import sweep_report as report
+    from flexevict.evaluation.sweep import run_sweep, select
+    from flexevict.evaluation.tasks import TASKS
     names, policies, budgets, text = sweep_inputs(args)
     llm = load_llm(args, progress=not args.json)
     tasks = [TASKS[n](llm, text=text, quick=args.quick) for n in names]

@@ -16,10 +16,10 @@ import dataclasses
 import os
 import sys
 
-from .cli import (add_model_args, cpu_threads, has_auto, placement_from_args, policy_spec,
+from flexevict.cli import (add_model_args, cpu_threads, has_auto, placement_from_args, policy_spec,
                   print_resolved)
-from .errors import UserError, cli_errors
-from .generation import Sampling
+from flexevict.errors import UserError, cli_errors
+from flexevict.runtime.generation import Sampling
 
 DEFAULT_GPU_BATCH = 8            # generate's --gpu-batch-size when not given
 
@@ -83,8 +83,8 @@ def batch_flags(args):
 
 def job_spec(args):
     """Every flag checked before anything is read -> the job's JobSpec."""
-    from .api import DTYPES, resolve_device, resolve_model
-    from .jobs import JobSpec
+    from flexevict.api import DTYPES, resolve_device, resolve_model
+    from flexevict.jobs import JobSpec
     if args.prompt is not None and not args.prompt.strip():
         raise UserError("--prompt is empty; give it some text")
     if args.max_new_tokens < 1:
@@ -124,7 +124,7 @@ def job_spec(args):
 
 def generate_one(spec, prompt: str) -> str:
     """The --prompt path: one prompt (chat-formatted with --chat), checked before loading."""
-    from .jobs.inputs import Row, RowError
+    from flexevict.jobs.inputs import Row, RowError
     try:
         ids = spec.prompter().encode(Row(0, None, {}, prompt=prompt))
     except RowError as e:
@@ -139,7 +139,7 @@ def generate_one(spec, prompt: str) -> str:
 
 
 def summary_line(s: dict) -> str:
-    from .jobs.state import paths_for
+    from flexevict.jobs.state import paths_for
     failed = f" ({s['failed_rows']} failed rows in {s['errors']})" if s["failed_rows"] else ""
     rate = s["this_run"]["generated_tokens_per_second"] or 0.0
     return (f"wrote {s['completed_rows']} completions to {s['output']}{failed}; this run "
@@ -155,7 +155,7 @@ def main(argv=None):
         if args.prompt is not None:
             print(generate_one(spec, args.prompt))
             return
-        from .jobs import run_job
+        from flexevict.jobs import run_job
         summary = run_job(spec, restart=args.restart, ray=args.ray, workers=args.workers)
         if summary is None:            # already complete: nothing was generated
             return

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .costmodel import CostModel, Estimate
-from .errors import UserError, cli_errors
-from .memory import (GIB, _mem_available, disk_free, host_need, overflow, process_anon,
+from flexevict.runtime.costmodel import CostModel, Estimate
+from flexevict.errors import UserError, cli_errors
+from flexevict.runtime.memory import (GIB, _mem_available, disk_free, host_need, overflow, process_anon,
                      stage_weights)
-from .placement import Placement
+from flexevict.runtime.placement import Placement
 
 AUTO = "auto"
 WEIGHT_STEP = CACHE_STEP = 10          # percent steps searched
@@ -482,14 +482,14 @@ def _elsewhere(calibration, device) -> bool:
         return True
     if device.type == "cuda" and not torch.cuda.is_available():
         return True
-    from .calibrate import device_name
+    from flexevict.calibrate import device_name
     return calibration.data.get("machine", {}).get("device") != device_name(device)
 
 
 def cost_model(args, config, prompt_len: int, gen_len: int, device, dtype, log=print):
     """The CostModel for the flags: calibration from --calibration or this machine's cache."""
-    from . import calibrate
-    from .cli import policy_spec
+    from flexevict import calibrate
+    from flexevict.cli import policy_spec
     path = getattr(args, "calibration", None)
     if torch.device(device).type == "cuda" and not torch.cuda.is_available() and not path \
             and not os.environ.get("FLEXEVICT_CALIBRATION"):
@@ -527,7 +527,7 @@ def resolve_auto(args, config, prompt_len: int, gen_len: int, device, dtype,
 # ---------------------------------------------------------------------------- CLI
 
 def parse_args(argv=None):
-    from .bench.throughput import add_run_args
+    from flexevict.bench.throughput import add_run_args
     p = argparse.ArgumentParser(prog="python -m flexevict.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
@@ -542,8 +542,8 @@ def main(argv=None):
 
 
 def run(args) -> list[str]:
-    from .api import DTYPES, resolve_model
-    from .cli import cpu_threads
+    from flexevict.api import DTYPES, resolve_model
+    from flexevict.cli import cpu_threads
     if args.prompt_len < 1 or args.gen_len < 1:
         raise UserError("--prompt-len and --gen-len must be >= 1")
     config, _ = resolve_model(args.model, args.path)

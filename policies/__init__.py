@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from flexevict.errors import UserError
 
-from .base import Policy
+from flexevict.policies.base import Policy
 
 POLICIES: dict[str, type[Policy]] = {}
 
@@ -56,5 +56,5 @@ class PolicySpec:
 
 
 # each module registers itself; a new policy is one file plus one name here
-from . import (full, local, streaming, h2o, tova, scissorhands, buzz,  # noqa: E402,F401
+from flexevict.policies import (full, local, streaming, h2o, tova, scissorhands, buzz,  # noqa: E402,F401
                vatp, hashevict, cascade)

@@ -15,10 +15,10 @@ import math
 
 import torch
 
-from flexevict import kernels
+from flexevict.core import kernels
 from flexevict.errors import UserError
-from flexevict.kernels import kv_head_probs  # noqa: F401 - the policies' helper
-from flexevict.kv import KVBuffer
+from flexevict.core.kernels import kv_head_probs  # noqa: F401 - the policies' helper
+from flexevict.core.kv import KVBuffer
 
 
 class Policy:
@@ -127,7 +127,7 @@ class RingPolicy(Policy):
     `prefix_rank` (e.g. H2O's column sums, or earliest-first for sinks). Each full decode step
     commits the new token into the ring; the token leaving the ring competes with the prefix
     (`victim_candidates`), and the loser's slot is reused in place (`commit`: one fused
-    selection + commit, `flexevict.kernels.evict_commit`).
+    selection + commit, `flexevict.core.kernels.evict_commit`).
     """
     prefix = 0
     ring = 0

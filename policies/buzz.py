@@ -68,13 +68,13 @@ import math
 
 import torch
 
-from flexevict import kernels
+from flexevict.core import kernels
 from flexevict.errors import UserError
-from flexevict.kernels import buzz_select, compaction
-from flexevict.kv import KVBuffer, left_aligned
+from flexevict.core.kernels import buzz_select, compaction
+from flexevict.core.kv import KVBuffer, left_aligned
 
-from . import register
-from .base import Policy, add_attention
+from flexevict.policies import register
+from flexevict.policies.base import Policy, add_attention
 
 MIN_T = 2          # smallest threshold for which a decode pass always fits (any s >= 3)
 
@@ -224,7 +224,7 @@ class Buzz(Policy):
 
     # ------------------------------------------------------------------ the pass
     def select(self, valid, old, score):
-        """One BUZZ pass over slots [0, n) of every row (`flexevict.kernels.buzz_select`).
+        """One BUZZ pass over slots [0, n) of every row (`flexevict.core.kernels.buzz_select`).
         valid, old (n, R) bool, score (n, R) -> keep (n, R), old flag of the kept tokens
         afterwards (n, R), hit (R,): rows whose middle exceeded T."""
         return buzz_select(valid, old, score, self.k, self.w, self.T, self.s)

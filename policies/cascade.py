@@ -68,13 +68,13 @@ import math
 
 import torch
 
-from flexevict import kernels
+from flexevict.core import kernels
 from flexevict.errors import UserError
-from flexevict.kernels import reduce_heads
-from flexevict.kv import left_aligned
+from flexevict.core.kernels import reduce_heads
+from flexevict.core.kv import left_aligned
 
-from . import register
-from .base import Policy
+from flexevict.policies import register
+from flexevict.policies.base import Policy
 
 REDUCTIONS = ("mean", "max", "median")
 

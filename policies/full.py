@@ -1,8 +1,8 @@
 """`full`: no eviction; the buffer holds every token (the reference all policies are checked against)."""
 from flexevict.errors import UserError
 
-from . import register
-from .base import Policy
+from flexevict.policies import register
+from flexevict.policies.base import Policy
 
 
 @register

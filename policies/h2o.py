@@ -10,8 +10,8 @@ the token leaving the recent window (ties: the oldest), and reuses its slot in p
 and the token leaving the window is always promoted; only heavy slots compete. From the second
 decode step on it equals `h2o` with one fewer heavy and one more recent slot.
 """
-from . import register
-from .base import RingPolicy, add_attention
+from flexevict.policies import register
+from flexevict.policies.base import RingPolicy, add_attention
 
 
 @register

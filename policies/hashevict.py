@@ -58,13 +58,13 @@ from __future__ import annotations
 
 import torch
 
-from flexevict import kernels
+from flexevict.core import kernels
 from flexevict.errors import UserError
-from flexevict.kernels import WORD_BITS, hamming, hash_codes, popcount
-from flexevict.kv import KVBuffer, gather_prompt, left_aligned
+from flexevict.core.kernels import WORD_BITS, hamming, hash_codes, popcount
+from flexevict.core.kv import KVBuffer, gather_prompt, left_aligned
 
-from . import register
-from .base import RingPolicy
+from flexevict.policies import register
+from flexevict.policies.base import RingPolicy
 
 STATE_BITS = 24         # fp32 holds every integer below 2**24 exactly
 

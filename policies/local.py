@@ -3,8 +3,8 @@
 The window holds `slots` tokens including the one being decoded: each full step the oldest
 leaves. H2O paper Sec. 5 and seed-h2o.md §1.4 (H = 0).
 """
-from . import register
-from .base import RingPolicy
+from flexevict.policies import register
+from flexevict.policies.base import RingPolicy
 
 
 @register

@@ -53,8 +53,8 @@ import torch
 
 from flexevict.errors import UserError
 
-from . import register
-from .base import RingPolicy, kv_head_probs
+from flexevict.policies import register
+from flexevict.policies.base import RingPolicy, kv_head_probs
 
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.uint8)
 

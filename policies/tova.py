@@ -40,12 +40,12 @@ new token in the scratch slot (k + 1 states, as in the authors' cache, which is 
 """
 import torch
 
-from flexevict import kernels
+from flexevict.core import kernels
 from flexevict.errors import UserError
-from flexevict.kv import gather_prompt, left_aligned
+from flexevict.core.kv import gather_prompt, left_aligned
 
-from . import register
-from .base import Policy, kv_head_probs
+from flexevict.policies import register
+from flexevict.policies.base import Policy, kv_head_probs
 
 
 @register

@@ -51,10 +51,10 @@ import torch
 
 from flexevict.errors import UserError
 
-from flexevict.kernels import candidate_slots
+from flexevict.core.kernels import candidate_slots
 
-from . import register
-from .h2o import H2O
+from flexevict.policies import register
+from flexevict.policies.h2o import H2O
 
 NORMS = ("l1", "l2", "linf", "none")
 BASES = ("h2o", "scissorhands")
@@ -179,7 +179,7 @@ def _scissorhands_variant(cls):
     if cls in _VARIANTS:
         return _VARIANTS[cls]
     try:
-        from .scissorhands import Scissorhands
+        from flexevict.policies.scissorhands import Scissorhands
     except ImportError as e:
         raise UserError(f"policy '{cls.name}' with base=scissorhands needs the 'scissorhands' "
                         f"policy, which is not available ({e})") from None

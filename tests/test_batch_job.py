@@ -113,7 +113,7 @@ def test_outputs_do_not_depend_on_the_blocks(tmp_path, tiny_dir, reference):  # 
 
 def test_row_seeded_sampling_is_batch_invariant():
     """generate() with row_seeds: a prompt samples the same tokens alone as in a batch."""
-    from flexevict.generation import Sampling, generate
+    from flexevict.runtime.generation import Sampling, generate
     from flexevict.policies import get_policy
     from tiny import model_for, rand_prompts
     m, ps = model_for("opt"), rand_prompts([5, 9, 7], seed=2)

@@ -72,7 +72,7 @@ def test_long_opt_run_needs_the_timing_only_flag():
 def test_warmup_runs_the_policy_under_test_and_it_evicts(monkeypatch):
     """The warm-up must run the timed policy's own hooks (and kernels), not `full` only: a
     fresh instance from the same spec, evicting during the prefill and at every decode step."""
-    from flexevict.engine import Engine
+    from flexevict.runtime.engine import Engine
     from flexevict.policies.h2o import H2O
     from flexevict.bench import throughput
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from flexevict.config import ModelConfig
-from flexevict.weights import DummyWeights, convert
+from flexevict.core.config import ModelConfig
+from flexevict.io.weights import DummyWeights, convert
 
 TINY = ModelConfig(arch="llama", name="tiny", vocab_size=256, hidden_size=32, num_layers=2,
                    num_heads=4, num_kv_heads=2, ffn_size=64, max_positions=64,
@@ -55,7 +55,7 @@ def test_missing_weight_file_is_named(tiny_dir, tmp_path):
 
 
 def test_corrupt_safetensors_is_named(tmp_path):
-    from flexevict.config import to_hf_dict
+    from flexevict.core.config import to_hf_dict
     (tmp_path / "config.json").write_text(json.dumps(to_hf_dict(TINY)))
     from tokenizers import Tokenizer, models
     Tokenizer(models.WordLevel({"a": 0}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
@@ -155,8 +155,8 @@ def test_convert_round_trip(tmp_path, tiny_dir):
     """A converted model gives the same logits as its source."""
     import torch
     from flexevict.api import resolve_model
-    from flexevict.model import Transformer
-    from flexevict.weights import open_weights
+    from flexevict.core.model import Transformer
+    from flexevict.io.weights import open_weights
     cfg, path = resolve_model(tiny_dir)
     a = Transformer.load(cfg, open_weights(path, cfg), onednn=False)
     b = Transformer.load(TINY, DummyWeights(TINY, seed=3), onednn=False)

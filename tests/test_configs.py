@@ -3,10 +3,10 @@ from dataclasses import fields, replace
 
 import pytest
 
-from flexevict.config import (REGISTRY, ModelConfig, from_hf_dict, registry_config,
+from flexevict.core.config import (REGISTRY, ModelConfig, from_hf_dict, registry_config,
                               to_hf_dict)
 from flexevict.errors import UserError
-from flexevict.weights import DummyWeights
+from flexevict.io.weights import DummyWeights
 
 # published parameter counts
 KNOWN_SIZES = {
@@ -136,7 +136,7 @@ def test_dummy_weights_cover_param_shapes():
 
 
 def test_gguf_config_matches_registry(smollm2_path):
-    from flexevict.gguf_io import gguf_config
+    from flexevict.io.gguf_io import gguf_config
     g, r = gguf_config(smollm2_path), REGISTRY["smollm2-135m"]
     assert g.param_shapes() == r.param_shapes()
     assert g.num_params() == 134_515_008

@@ -2,7 +2,7 @@
 and sm_90 (one nvcc call per file with one -gencode per arch; the calls run in parallel, one
 per core), the C++ binding compiles against the installed torch (a CPU build is fine: it
 includes no CUDA header), and the objects link into an extension that imports and rejects bad
-arguments with one-line errors. The commands are `flexevict.kernels.build`'s, the same ones a
+arguments with one-line errors. The commands are `flexevict.core.kernels.build`'s, the same ones a
 GPU machine without ninja builds with, here with warnings as errors. nvcc is looked up on PATH,
 CUDA_HOME and /usr/local/cuda; without it the nvcc tests skip and say so."""
 import importlib.util
@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from flexevict.kernels import build
+from flexevict.core.kernels import build
 
 NVCC, CXX = build.find_nvcc(), build.find_cxx()
 UNITS = sorted(p.name for p in build.SOURCE_DIR.glob("*.cu"))

@@ -7,11 +7,11 @@ import pytest
 import torch
 from tiny import CONFIGS, rand_prompts
 
-from flexevict.engine import Engine
-from flexevict.generation import generate
-from flexevict.placement import Placement
+from flexevict.runtime.engine import Engine
+from flexevict.runtime.generation import generate
+from flexevict.runtime.placement import Placement
 from flexevict.policies import get_policy
-from flexevict.weights import DummyWeights, seeded_normal
+from flexevict.io.weights import DummyWeights, seeded_normal
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs CUDA: compares weights made on the GPU with the CPU's")

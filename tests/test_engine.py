@@ -6,12 +6,12 @@ import pytest
 import torch
 from tiny import CONFIGS, model_for, rand_prompts
 
-from flexevict.engine import Engine
+from flexevict.runtime.engine import Engine
 from flexevict.errors import UserError
-from flexevict.generation import generate, token_nll
-from flexevict.placement import Placement
+from flexevict.runtime.generation import generate, token_nll
+from flexevict.runtime.placement import Placement
 from flexevict.policies import get_policy
-from flexevict.weights import DummyWeights
+from flexevict.io.weights import DummyWeights
 
 ALL_GPU = (100, 0, 100, 0, 100, 0)
 PLACEMENTS = {   # name: (percent, flags)
@@ -133,7 +133,7 @@ def test_bad_placements_name_the_fix(percent, needle):
 
 
 def test_compressed_weights_are_stored_at_4_bits(tmp_path):
-    from flexevict.kernels import Packed4bit
+    from flexevict.core.kernels import Packed4bit
     plain, comp = engine("opt", (0, 100, 100, 0, 100, 0), tmp_path), \
         engine("opt", (0, 100, 100, 0, 100, 0), tmp_path, compress_weight=True)
     try:
@@ -154,7 +154,7 @@ def test_compression_perplexity_on_smollm2(smollm2_path, tmp_path):
     4-bit weights: reported, bounded loosely. The packaged SmolLM2 weights are already Q4_1
     (4-bit, groups of 32), so regrouping them by 64 compounds two quantisations (README)."""
     from flexevict import LLM
-    from flexevict.packaged import wikipedia_text
+    from flexevict.io.packaged import wikipedia_text
     text = wikipedia_text()
     ppl = {}
     for label, flags, prefill in (("base-decode", {}, 192), ("cache", {"compress_cache": True}, 192),
@@ -186,7 +186,7 @@ def test_positions_wrap_only_when_asked():
 
 def test_generate_and_eval_clis_take_placement_flags(tmp_path):
     from test_cli import TINY, run
-    from flexevict.weights import convert
+    from flexevict.io.weights import convert
     convert(DummyWeights(TINY, seed=3), TINY, str(tmp_path / "m"), "float32", tokenizer="bytes")
     text = tmp_path / "t.txt"
     text.write_text("placement must not change what the model computes " * 3)
@@ -205,8 +205,8 @@ def test_generate_and_eval_clis_take_placement_flags(tmp_path):
 def test_budget_lets_a_larger_batch_fit():
     """H2O's setting: OPT-6.7B, 2048 + 2048 tokens, batch 64 on an 80 GB GPU; the estimate
     matches H2O's logs within 15% at batch 24 (FlexGen 74.8 GB, H2O 36.4 GB measured)."""
-    from flexevict.config import registry_config
-    from flexevict.memory import GIB, MemoryPlan
+    from flexevict.core.config import registry_config
+    from flexevict.runtime.memory import GIB, MemoryPlan
     c = registry_config("opt-6.7b")
     need = lambda bs, slots: MemoryPlan(c, Placement(gpu_batch_size=bs), torch.float16, bs,  # noqa: E731
                                         2048, 2048, slots).needs()["gpu"] / GIB

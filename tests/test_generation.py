@@ -5,16 +5,16 @@ import math
 import pytest
 import torch
 
-import flexevict.engine as E
-import flexevict.kv
-from flexevict.config import ModelConfig
+import flexevict.runtime.engine as E
+import flexevict.core.kv
+from flexevict.core.config import ModelConfig
 from flexevict.errors import UserError
-from flexevict.generation import Sampling, generate, left_pad, token_nll
-from flexevict.engine import Engine
-from flexevict.model import Transformer
+from flexevict.runtime.generation import Sampling, generate, left_pad, token_nll
+from flexevict.runtime.engine import Engine
+from flexevict.core.model import Transformer
 from flexevict.policies import get_policy
 from flexevict.policies.full import Full
-from flexevict.weights import DummyWeights
+from flexevict.io.weights import DummyWeights
 from tiny import engine_logits
 
 # untied heads: with a tied N(0, 1) embedding the dummy model just repeats the last prompt token,
@@ -247,13 +247,13 @@ def test_max_positions(arch):
 def test_kv_buffer_allocated_once(monkeypatch):
     model = model_for("llama-gqa")
     count = []
-    real = flexevict.kv.KVBuffer.__init__
+    real = flexevict.core.kv.KVBuffer.__init__
 
     def counting(self, *a, **kw):
         count.append(1)
         real(self, *a, **kw)
 
-    monkeypatch.setattr(flexevict.kv.KVBuffer, "__init__", counting)
+    monkeypatch.setattr(flexevict.core.kv.KVBuffer, "__init__", counting)
     prompts = rand_prompts([3, 8], seed=2)
     run(model, prompts, n=12)
     assert len(count) == model.config.num_layers
@@ -289,7 +289,7 @@ def test_kv_buffer_never_grows(monkeypatch):
 def test_onednn_prepacked_linears_match_plain():
     """The CPU fast path (oneDNN-prepacked weights) gives the plain path's greedy tokens and
     logits to fp32 rounding."""
-    from flexevict.model import onednn_usable
+    from flexevict.core.model import onednn_usable
     if not onednn_usable("cpu", torch.float32):
         pytest.skip("this torch build has no oneDNN linear ops")
     cfg = CFGS["llama-gqa"]

@@ -11,17 +11,17 @@ import pytest
 import torch
 from tiny import CONFIGS, model_for, rand_prompts
 
-import flexevict.engine as engine_mod
-import flexevict.offload as offload
-from flexevict.engine import Engine, TimedPolicy, _like
-from flexevict.generation import generate
-from flexevict.kernels.quant import Packed4bit
-from flexevict.kv import KVBuffer, load_into, store_into
-from flexevict.memory import MemoryPlan
-from flexevict.offload import Lane, Tiers, host_bytes, park_bytes, pinned_size
-from flexevict.placement import Placement
+import flexevict.runtime.engine as engine_mod
+import flexevict.runtime.offload as offload
+from flexevict.runtime.engine import Engine, TimedPolicy, _like
+from flexevict.runtime.generation import generate
+from flexevict.core.kernels.quant import Packed4bit
+from flexevict.core.kv import KVBuffer, load_into, store_into
+from flexevict.runtime.memory import MemoryPlan
+from flexevict.runtime.offload import Lane, Tiers, host_bytes, park_bytes, pinned_size
+from flexevict.runtime.placement import Placement
 from flexevict.policies import get_policy
-from flexevict.weights import DummyWeights
+from flexevict.io.weights import DummyWeights
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: real streams, "
                           "events and cudaHostRegister")

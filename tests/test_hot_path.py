@@ -15,15 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-import flexevict.model as fmodel
-from flexevict import kernels
-from flexevict.engine import left_pad
-from flexevict.generation import Sampling, generate
-from flexevict.kernels import ext
-from flexevict.kernels import reference as ref
-from flexevict.model import Transformer, causal_attention, prefill_mask
+import flexevict.core.model as fmodel
+from flexevict.core import kernels
+from flexevict.runtime.engine import left_pad
+from flexevict.runtime.generation import Sampling, generate
+from flexevict.core.kernels import ext
+from flexevict.core.kernels import reference as ref
+from flexevict.core.model import Transformer, causal_attention, prefill_mask
 from flexevict.policies import POLICIES, get_policy
-from flexevict.weights import DummyWeights
+from flexevict.io.weights import DummyWeights
 from tiny import CONFIGS, engine_logits, model_for, rand_prompts
 
 T = torch.Tensor

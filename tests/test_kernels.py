@@ -1,4 +1,4 @@
-"""flexevict.kernels: the PyTorch references on hand-made and random inputs (CPU), the dispatch's
+"""flexevict.core.kernels: the PyTorch references on hand-made and random inputs (CPU), the dispatch's
 argument checks, and - on a CUDA machine - every kernel against its reference on fresh random
 inputs (outputs poisoned first) plus greedy generation with kernels == without, per policy.
 
@@ -10,16 +10,16 @@ import math
 import pytest
 import torch
 
-from flexevict import kernels
-from flexevict.config import ModelConfig
-from flexevict.generation import Sampling, generate
-from flexevict.kernels import ext
-from flexevict.kernels import reference as ref
-from flexevict.kv import KVBuffer
-from flexevict.model import Transformer, prefill_mask
+from flexevict.core import kernels
+from flexevict.core.config import ModelConfig
+from flexevict.runtime.generation import Sampling, generate
+from flexevict.core.kernels import ext
+from flexevict.core.kernels import reference as ref
+from flexevict.core.kv import KVBuffer
+from flexevict.core.model import Transformer, prefill_mask
 from flexevict.policies import POLICIES, get_policy
 from flexevict.policies.base import add_attention
-from flexevict.weights import DummyWeights
+from flexevict.io.weights import DummyWeights
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -114,7 +114,7 @@ def test_decode_attention_reference_vs_naive(rows, g, n, d):
 def test_fused_score_accumulation_counts_once():
     """attend adds the scores itself once the buffer asks for it; add_attention then skips those
     probabilities but still adds any others."""
-    from flexevict.model import attend
+    from flexevict.core.model import attend
     buf = KVBuffer(4, 2, 3, torch.float32, "cpu")
     buf.write(0, torch.randn(2, 3), torch.randn(2, 3), torch.tensor([0, 0], dtype=torch.int32))
     buf.write(1, torch.randn(2, 3), torch.randn(2, 3), torch.tensor([1, 1], dtype=torch.int32))

@@ -13,12 +13,12 @@ import torch
 
 import flexevict.api
 import flexevict.errors
-import flexevict.engine as E
-import flexevict.model
+import flexevict.runtime.engine as E
+import flexevict.core.model
 import flexevict.policies
-import flexevict.weights
-from flexevict.engine import Engine
-from flexevict.placement import Placement
+import flexevict.io.weights
+from flexevict.runtime.engine import Engine
+from flexevict.runtime.placement import Placement
 from tiny import engine_logits
 
 ATOL = 1e-4
@@ -85,7 +85,7 @@ CONFIGS = {
 def load_engine(folder):
     """The model as every command loads it: an Engine under the default placement."""
     cfg, path = flexevict.api.resolve_model(folder)
-    src = flexevict.weights.open_weights(path, cfg)
+    src = flexevict.io.weights.open_weights(path, cfg)
     try:
         return Engine.load(cfg, src, Placement(), "cpu", torch.float32)
     finally:
@@ -207,7 +207,7 @@ def test_bin_weights_equal_safetensors(name, strip, shards, hf_model_factory, tm
     bin_folder = _bin_copy(hf, folder, tmp_path / "bin", strip_prefix=strip, shards=shards)
     assert not any(f.endswith(".safetensors") for f in os.listdir(bin_folder))
     a, b = load_engine(folder), load_engine(bin_folder)
-    src = flexevict.weights.open_weights(bin_folder, a.config)
+    src = flexevict.io.weights.open_weights(bin_folder, a.config)
     assert src.kind == "bin"
     prompts = prompts_for(2, 11, a.config.vocab_size, seed=5)
     fed = [torch.tensor([4, 5]), torch.tensor([6, 7])]

@@ -6,7 +6,7 @@ import pytest
 
 from flexevict.cli import read_jsonl_prompts
 from flexevict.errors import UserError
-from flexevict.generation import Sampling, generate
+from flexevict.runtime.generation import Sampling, generate
 from flexevict.policies import get_policy
 from test_cli import assert_user_error, run, tiny_dir  # noqa: F401 (fixture)
 from tiny import model_for, rand_prompts
@@ -125,7 +125,7 @@ def test_sweep_names_everything_missing_in_one_line(monkeypatch, tmp_path, capsy
     import importlib.util
 
     from flexevict import eval as cli
-    from flexevict import packaged
+    from flexevict.io import packaged
     real_find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else real_find(name, *a))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from flexevict import rundir
+from flexevict.runtime import rundir
 from flexevict.errors import UserError
 from test_cli import assert_user_error, run, tiny_dir  # noqa: F401 (fixture)
 
@@ -36,7 +36,7 @@ def test_generate_and_eval_remove_their_run_folder(tmp_path, tiny_dir):  # noqa:
 
 def test_an_error_after_loading_removes_the_folder(tmp_path, tiny_dir):  # noqa: F811
     off = tmp_path / "off"
-    code = (f"from flexevict import LLM\nfrom flexevict.placement import Placement\n"
+    code = (f"from flexevict import LLM\nfrom flexevict.runtime.placement import Placement\n"
             f"llm = LLM({tiny_dir!r}, placement=Placement(0, 0, offload_dir={str(off)!r}))\n"
             f"import os; assert os.listdir({str(off)!r})\nraise RuntimeError('boom')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

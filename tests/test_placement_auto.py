@@ -17,10 +17,10 @@ from test_cli import assert_user_error, run
 from flexevict import calibrate, plan as P
 from flexevict.api import resolve_model
 from flexevict.cli import add_placement_args, add_policy_args, placement_from_args
-from flexevict.costmodel import CostModel
+from flexevict.runtime.costmodel import CostModel
 from flexevict.errors import UserError
-from flexevict.memory import GIB, MemoryPlan
-from flexevict.placement import Placement
+from flexevict.runtime.memory import GIB, MemoryPlan
+from flexevict.runtime.placement import Placement
 from flexevict.policies import PolicySpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

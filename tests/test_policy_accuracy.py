@@ -13,7 +13,7 @@ BEAT_LOCAL = ["h2o", "streaming", "buzz", "cascade", "hashevict", "vatp"]
 
 @pytest.fixture(scope="module")
 def perplexities(engine_smollm2):
-    from flexevict.packaged import wikipedia_text
+    from flexevict.io.packaged import wikipedia_text
     try:
         text = wikipedia_text()
     except UserError:

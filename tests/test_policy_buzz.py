@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-import flexevict.engine as E
+import flexevict.runtime.engine as E
 import flexevict.policies.buzz  # noqa: F401  (registers buzz, buzz-logn)
 from flexevict.errors import UserError
-from flexevict.generation import Sampling, generate
-from flexevict.kv import KVBuffer
+from flexevict.runtime.generation import Sampling, generate
+from flexevict.core.kv import KVBuffer
 from flexevict.policies import get_policy
 from flexevict.policies.full import Full
 

@@ -8,11 +8,11 @@ import struct
 import pytest
 import torch
 
-import flexevict.engine as E
+import flexevict.runtime.engine as E
 import flexevict.policies.cascade  # noqa: F401  (registers the policy)
 from flexevict.errors import UserError
-from flexevict.generation import Sampling, generate
-from flexevict.kv import KVBuffer
+from flexevict.runtime.generation import Sampling, generate
+from flexevict.core.kv import KVBuffer
 from flexevict.policies import get_policy
 
 D = 2   # head dim of the hand-made buffers
@@ -341,7 +341,7 @@ def test_prompt_scores_are_the_streamed_ema():
     rows) is the EMA mu <- gamma mu + (1 - gamma) s the decode path would give each prompt token
     had the prompt been streamed one query at a time with full attention (GQA: summed over the
     group)."""
-    from flexevict.model import attention_with_column_sums
+    from flexevict.core.model import attention_with_column_sums
     g = torch.Generator().manual_seed(5)
     policy = get_policy("cascade", budget_tokens=45)
     policy.capacity(60, 30)

@@ -3,7 +3,7 @@ the ring variant's equivalence (§1.6), and the window/sink guarantees, on the p
 import pytest
 import torch
 
-from flexevict.kv import KVBuffer
+from flexevict.core.kv import KVBuffer
 from flexevict.policies import get_policy
 from tiny import kept
 

@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-import flexevict.engine as E
-import flexevict.model
+import flexevict.runtime.engine as E
+import flexevict.core.model
 import flexevict.policies.hashevict  # noqa: F401  (registers "hashevict")
 from flexevict.errors import UserError
-from flexevict.generation import Sampling, generate
-from flexevict.kv import KVBuffer
+from flexevict.runtime.generation import Sampling, generate
+from flexevict.core.kv import KVBuffer
 from flexevict.policies import get_policy
 from flexevict.policies.hashevict import hamming, hash_codes, popcount, projection
 
@@ -49,7 +49,7 @@ def decode(policy, buf, k, pos, q, check=None):
     if check is not None:
         check(buf, slot)
     n = buf.attended(slot)
-    _, probs = flexevict.model.attend(q, buf, n, q.shape[-1] ** -0.5)
+    _, probs = flexevict.core.model.attend(q, buf, n, q.shape[-1] ** -0.5)
     policy.after_attention(buf, slot, probs)
 
 
@@ -264,7 +264,7 @@ def test_decode_steps_match_reference(args):
 
     def pre_attention(buf, slot):
         n_att = buf.attended(slot)
-        out, p = flexevict.model.attend(q_t, buf, n_att, 0.5)
+        out, p = flexevict.core.model.attend(q_t, buf, n_att, 0.5)
         victims = buf.hash_victims
         assert (p[buf.rows_index, :, victims] == 0).all()
         for r in range(rows):

@@ -4,10 +4,11 @@ buffers sized exactly by the resolved slots that never grow."""
 import pytest
 import torch
 
-import flexevict.generation as gen
+import flexevict.runtime.engine as engine
+import flexevict.runtime.generation as gen
 from flexevict.errors import UserError
-from flexevict.generation import Sampling, generate
-from flexevict.model import Transformer
+from flexevict.runtime.generation import Sampling, generate
+from flexevict.core.model import Transformer
 from flexevict.policies import POLICIES, Policy, get_policy
 from tiny import CONFIGS, model_for, rand_prompts
 
@@ -17,7 +18,7 @@ EVICTING = sorted(n for n in POLICIES if n != "full")
 def record(monkeypatch):
     """Capture every step's logits and the buffers of a run."""
     logits, bufs = [], []
-    real_head, real_alloc = Transformer.head, gen.allocate
+    real_head, real_alloc = Transformer.head, engine.allocate
     monkeypatch.setattr(Transformer, "head",
                         lambda self, h, o=None: logits.append(real_head(self, h, o)) or logits[-1])
 
@@ -26,7 +27,7 @@ def record(monkeypatch):
         bufs.extend(new)
         return new
 
-    monkeypatch.setattr(gen, "allocate", allocate)
+    monkeypatch.setattr(engine, "allocate", allocate)
     return logits, bufs
 
 

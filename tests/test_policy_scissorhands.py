@@ -4,11 +4,11 @@ through the real model, bit-identity with `full` when nothing is evicted, and ba
 import pytest
 import torch
 
-import flexevict.engine as E
+import flexevict.runtime.engine as E
 import flexevict.policies.scissorhands  # noqa: F401  (registers "scissorhands")
 from flexevict.errors import UserError
-from flexevict.generation import Sampling, generate
-from flexevict.kv import KVBuffer
+from flexevict.runtime.generation import Sampling, generate
+from flexevict.core.kv import KVBuffer
 from flexevict.policies import get_policy
 
 from tiny import CONFIGS as CFGS, model_for, rand_prompts, decode_step as step, kept

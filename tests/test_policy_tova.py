@@ -3,11 +3,11 @@ through the real model, bit-identity with `full` when nothing is evicted, and ba
 import pytest
 import torch
 
-import flexevict.engine as E
+import flexevict.runtime.engine as E
 import flexevict.policies.tova  # noqa: F401  (registers "tova")
 from flexevict.errors import UserError
-from flexevict.generation import Sampling, generate
-from flexevict.kv import KVBuffer
+from flexevict.runtime.generation import Sampling, generate
+from flexevict.core.kv import KVBuffer
 from flexevict.policies import get_policy
 from flexevict.policies.base import kv_head_probs
 

@@ -9,11 +9,11 @@ differing only by the value norm. Bad input raises UserError.
 import pytest
 import torch
 
-import flexevict.engine as E
+import flexevict.runtime.engine as E
 import flexevict.policies.vatp  # noqa: F401  (registers vatp, vatp-pin)
 from flexevict.errors import UserError
-from flexevict.generation import Sampling, generate
-from flexevict.kv import KVBuffer
+from flexevict.runtime.generation import Sampling, generate
+from flexevict.core.kv import KVBuffer
 from flexevict.policies import get_policy
 from flexevict.policies.vatp import ValueAware, value_norm
 

@@ -26,9 +26,9 @@ BUILTIN_TEXT = (
 
 
 def long_text():
-    import flexevict.packaged
+    import flexevict.io.packaged
     try:
-        return flexevict.packaged.wikipedia_text(50)
+        return flexevict.io.packaged.wikipedia_text(50)
     except UserError:
         return "\n\n".join([BUILTIN_TEXT.replace("<|im_start|>", "").replace("<|im_end|>", "")] * 6)
 
@@ -55,7 +55,7 @@ def llamacpp_reference_tokenizer(hf_smollm2_tokenizer, smollm2_path):
 
     from tokenizers import Regex, pre_tokenizers
 
-    from flexevict.gguf_io import _field, _reader
+    from flexevict.io.gguf_io import _field, _reader
     assert _field(_reader(smollm2_path), "tokenizer.ggml.pre") == "smollm"
     backend = copy.deepcopy(hf_smollm2_tokenizer.backend_tokenizer)
     backend.pre_tokenizer = pre_tokenizers.Sequence([

@@ -18,8 +18,8 @@ from flexevict.policies import POLICIES, PolicySpec
 
 
 def packaged_texts_or_skip():
-    from flexevict.packaged import wikipedia_text
-    from flexevict.tasks import news_articles, shakespeare_text
+    from flexevict.io.packaged import wikipedia_text
+    from flexevict.evaluation.tasks import news_articles, shakespeare_text
     try:
         wikipedia_text(1), shakespeare_text(), news_articles()
     except UserError as e:
@@ -76,7 +76,7 @@ def test_every_policy_beats_local_at_20_percent_perplexity(quick):
 
 def test_full_equals_the_no_eviction_engine_exactly(quick, engine_smollm2):
     """The sweep's `full` row is `LLM.score_ids` with no policy, bit for bit, per document."""
-    from flexevict.tasks import Ppl
+    from flexevict.evaluation.tasks import Ppl
     task = Ppl(engine_smollm2, quick=True)
     cell = cells(quick)[("ppl", "full", 1.0)]
     assert cell["settings"] == task.settings                      # the same token ids
@@ -140,8 +140,8 @@ def test_text_override_replaces_the_packaged_texts(tmp_path, capsys, smollm2_pat
 
 
 def test_stream_nll_batch_equals_each_document_alone(engine_smollm2):
-    from flexevict.generation import stream_nll
-    from flexevict.tasks import first_tokens, wikipedia_text
+    from flexevict.runtime.generation import stream_nll
+    from flexevict.evaluation.tasks import first_tokens, wikipedia_text
     docs = [first_tokens(engine_smollm2.tokenizer, wikipedia_text(20 + i), 64) for i in range(2)]
     spec = PolicySpec("h2o", budget=0.25)
     together = stream_nll(engine_smollm2.engine, docs, spec.make())

@@ -1,9 +1,9 @@
 """Tiny random-weight models and prompts shared by the policy tests (imported as `tiny`)."""
 import torch
 
-from flexevict.config import ModelConfig
-from flexevict.model import Transformer
-from flexevict.weights import DummyWeights
+from flexevict.core.config import ModelConfig
+from flexevict.core.model import Transformer
+from flexevict.io.weights import DummyWeights
 
 CONFIGS = {
     "llama-gqa": ModelConfig(arch="llama", name="t", vocab_size=128, hidden_size=64, num_layers=2,
@@ -50,7 +50,7 @@ def engine_logits(model, prompts, feed, policy):
     teacher-forced:
     the prompts' prefill logits (B, S, V), then one (B, V) per token of `feed` (a list of (B,)
     token tensors or lists fed one step each, left padding as `left_pad` makes it)."""
-    from flexevict.generation import as_engine
+    from flexevict.runtime.generation import as_engine
     engine = as_engine(model)
     out: dict = {}
 

@@ -19,10 +19,10 @@ import json
 import sys
 from types import SimpleNamespace
 
-from flexevict.packaged import smollm2_gguf
+from flexevict.io.packaged import smollm2_gguf
 from flexevict.policies import PolicySpec
-from flexevict.tasks import Agreement, Passkey, compare, passkey_answer, score_passkey
-from flexevict.tokenizer import load_tokenizer
+from flexevict.evaluation.tasks import Agreement, Passkey, compare, passkey_answer, score_passkey
+from flexevict.io.tokenizer import load_tokenizer
 
 BUDGETS = (0.05, 0.1, 0.2, 0.4, 0.6)
 # kvpress press -> the flexevict policy it is compared with (and why, in the README)

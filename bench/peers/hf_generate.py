@@ -39,7 +39,7 @@ def load(args, device, dtype):
     if args.path and args.path.endswith(".gguf"):
         folder, name = os.path.split(args.path)
         return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to(device)
-    from flexevict.config import registry_config, to_hf_dict
+    from flexevict.core.config import registry_config, to_hf_dict
     hf = to_hf_dict(registry_config(args.model))
     cfg = AutoConfig.for_model(**hf)
     if not args.max_memory:

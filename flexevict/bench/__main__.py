@@ -1,3 +1,3 @@
-from .throughput import main
+from flexevict.bench.throughput import main
 
 main()

@@ -32,10 +32,10 @@ from typing import Callable
 
 import torch
 
-from flexevict import kernels
+from flexevict.core import kernels
 from flexevict.bench.report import write_json
 from flexevict.errors import UserError, cli_errors
-from flexevict.kv import KVBuffer
+from flexevict.core.kv import KVBuffer
 from flexevict.policies import get_policy
 
 

@@ -27,7 +27,7 @@ def device_name(device: torch.device) -> str:
 def kernel_backend(device: torch.device) -> str:
     """Which implementation the eviction hot path uses on `device`."""
     try:
-        from flexevict import kernels
+        from flexevict.core import kernels
     except ImportError:
         return "torch-reference"
     return kernels.backend(device) if hasattr(kernels, "backend") else "torch-reference"

@@ -22,17 +22,17 @@ import time
 import numpy as np
 import torch
 
-from .. import kernels
-from ..api import DTYPES, resolve_device, resolve_model
-from ..cli import (add_placement_args, add_policy_args, add_threads_arg, cpu_threads,
+from flexevict.core import kernels
+from flexevict.api import DTYPES, resolve_device, resolve_model
+from flexevict.cli import (add_placement_args, add_policy_args, add_threads_arg, cpu_threads,
                    has_auto, placement_from_args, policy_spec)
-from ..engine import Engine
-from ..errors import UserError, cli_errors
-from ..memory import MemoryPlan, GIB, out_of_memory
-from ..policies import Policy, PolicySpec
-from ..weights import DUMMY, open_weights
-from ..progress import Progress
-from .report import run_metadata, write_json
+from flexevict.runtime.engine import Engine
+from flexevict.errors import UserError, cli_errors
+from flexevict.runtime.memory import MemoryPlan, GIB, out_of_memory
+from flexevict.policies import Policy, PolicySpec
+from flexevict.io.weights import DUMMY, open_weights
+from flexevict.runtime.progress import Progress
+from flexevict.bench.report import run_metadata, write_json
 
 # The warm-up before the timed run (one place): every sequence of the batch gets a prompt of
 # WARMUP_PROMPT tokens and WARMUP_TOKENS generated tokens, under a budget of a quarter of the
@@ -124,8 +124,8 @@ def run(args) -> dict:
 def predict(args, config, placement, n: int, device, dtype) -> dict:
     """The cost model's prediction for this run (plan.py, costmodel.py): per phase and total,
     what bounds each phase, and the calibration it used."""
-    from ..costmodel import CostModel
-    from ..plan import bound_line, cost_model
+    from flexevict.runtime.costmodel import CostModel
+    from flexevict.plan import bound_line, cost_model
     model: CostModel = cost_model(args, config, args.prompt_len, args.gen_len, device, dtype)
     e = model.estimate(placement, n)
     cal = model.cal.data

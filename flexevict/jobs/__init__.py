@@ -7,5 +7,5 @@
     runner.py   the job from start to end, on this machine
     ray_job.py  the same job as a Ray Data pipeline (--ray, --workers; Ray imported lazily)
 """
-from .runner import run_job  # noqa: F401
-from .spec import JobSpec  # noqa: F401
+from flexevict.jobs.runner import run_job  # noqa: F401
+from flexevict.jobs.spec import JobSpec  # noqa: F401

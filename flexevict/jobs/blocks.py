@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from ..generation import plan_batches
-from .inputs import Row
+from flexevict.runtime.generation import plan_batches
+from flexevict.jobs.inputs import Row
 
 
 def plan_window(rows: list[Row], spec) -> list[list[Row]]:

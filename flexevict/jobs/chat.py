@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..errors import UserError
+from flexevict.errors import UserError
 
 
 class ChatTemplate:
@@ -44,7 +44,7 @@ def load_chat_template(weights: str, model: str) -> ChatTemplate:
     """The chat template shipped with a .gguf file or an HF folder; none -> UserError naming
     the model."""
     if weights.endswith(".gguf"):
-        from ..gguf_io import _field, _reader
+        from flexevict.io.gguf_io import _field, _reader
         r = _reader(weights)
         source = _field(r, "tokenizer.chat_template")
         tokens = _field(r, "tokenizer.ggml.tokens") or []

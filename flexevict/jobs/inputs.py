@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from ..errors import UserError
+from flexevict.errors import UserError
 
 
 class RowError(Exception):

@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 import os
 
-from ..errors import UserError
-from .blocks import plan_window, rows_from_wire, rows_to_wire, run_block
-from .inputs import Window, read_window
+from flexevict.errors import UserError
+from flexevict.jobs.blocks import plan_window, rows_from_wire, rows_to_wire, run_block
+from flexevict.jobs.inputs import Window, read_window
 
 INSTALL = 'pip install "flexevict[ray]"'
 TEST_CRASH_FLAG = "FLEXEVICT_JOB_TEST_CRASH_FLAG"   # test hook: see EngineWorker

@@ -14,12 +14,12 @@ import signal
 import sys
 import time
 
-from ..errors import Terminated, UserError
-from ..progress import Progress
-from .blocks import plan_window, run_block
-from .inputs import read_window, scan
-from .spec import JobSpec
-from .state import JobState, paths_for, write_atomic
+from flexevict.errors import Terminated, UserError
+from flexevict.runtime.progress import Progress
+from flexevict.jobs.blocks import plan_window, run_block
+from flexevict.jobs.inputs import read_window, scan
+from flexevict.jobs.spec import JobSpec
+from flexevict.jobs.state import JobState, paths_for, write_atomic
 
 TEST_SIGNAL = "FLEXEVICT_JOB_TEST_SIGNAL"
 
@@ -51,7 +51,7 @@ def run_job(spec: JobSpec, restart: bool = False, ray: str | None = None,
                 if llm is not None:
                     _run_here(spec, found, state, commit, llm)
                 elif resumed < found.rows:
-                    from .ray_job import run_on_ray
+                    from flexevict.jobs.ray_job import run_on_ray
                     run_on_ray(spec, found, state, commit, ray, workers)
             except (KeyboardInterrupt, Terminated):
                 print(f"stopped: {resumed + commit.rows} of {found.rows} rows are committed in "

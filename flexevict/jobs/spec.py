@@ -8,9 +8,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from ..generation import Sampling
-from ..placement import Placement
-from ..policies import PolicySpec
+from flexevict.runtime.generation import Sampling
+from flexevict.runtime.placement import Placement
+from flexevict.policies import PolicySpec
 
 DEFAULT_WINDOW_BLOCKS = 16      # look-ahead window, in blocks, when --window is not given
 
@@ -67,7 +67,7 @@ class JobSpec:
 
     def llm(self, progress: bool = False):
         """Load the model as this job runs it."""
-        from ..api import LLM
+        from flexevict.api import LLM
         return LLM(self.model, path=self.path, device=self.device, dtype=self.dtype,
                    seed=self.seed, progress=progress, placement=self.placement)
 
@@ -84,10 +84,10 @@ class JobSpec:
 @functools.lru_cache(maxsize=4)
 def _prompter(model: str, path: str | None, max_new_tokens: int, chat: bool, policy):
     """Cached: a Ray worker process reads the tokenizer once for all its windows."""
-    from ..api import resolve_model
-    from ..tokenizer import load_tokenizer
-    from .chat import load_chat_template
-    from .inputs import Prompter
+    from flexevict.api import resolve_model
+    from flexevict.io.tokenizer import load_tokenizer
+    from flexevict.jobs.chat import load_chat_template
+    from flexevict.jobs.inputs import Prompter
     config, weights = resolve_model(model, path)
     template = load_chat_template(weights, model) if chat else None
     return Prompter(load_tokenizer(weights), config.max_positions, max_new_tokens, template,

@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 
-from ..errors import UserError
+from flexevict.errors import UserError
 
 MANIFEST, LOCK, BLOCKS = "manifest.json", "lock", "blocks"
 VERSION = 1

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda"
+SOURCE_DIR = Path(__file__).resolve().parents[3] / "cuda"
 CI_ARCHS = ("75", "80", "90")
 STRICT = ["-Wall", "-Wextra", "-Werror"]       # the binding's own code (torch headers excluded)
 

@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 
-from .errors import UserError
+from flexevict.errors import UserError
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from .policies import POLICIES
+from flexevict.policies import POLICIES
 
 LOWER_IS_BETTER = {"ppl", "attn_error"}
 PPL, ROUGE, TOKENS, PASSKEY, ATTN = (("ppl", "ppl"), ("agreement", "rouge_l"),

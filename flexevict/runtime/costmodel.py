@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .memory import MemoryPlan, in_place, stage_weights, work_tier
-from .model import LINEAR_WEIGHTS
+from flexevict.runtime.memory import MemoryPlan, in_place, stage_weights, work_tier
+from flexevict.core.model import LINEAR_WEIGHTS
 
 # Element-wise passes per half layer, without a calibration probe: over (tokens x hidden) in the
 # attention half (norm, RoPE, reshapes, residual), over (tokens x (hidden + ffn)) in the MLP half
@@ -270,8 +270,8 @@ class CostModel:
         self._passes_fit = dict(PASSES[arch])
         if not probe:
             return self._passes_fit
-        from .calibrate import probe_config
-        from .policies import PolicySpec
+        from flexevict.calibrate import probe_config
+        from flexevict.policies import PolicySpec
         c = probe_config(arch)
         b, s = probe["batch"], probe["prompt"]
         m = b * s
@@ -301,9 +301,9 @@ class CostModel:
         probe = self.dev.get("engine_probe", {}).get(self.config.arch)
         if not probe or self.cuda:
             return self._eff
-        from .calibrate import engine_probe_config
-        from .placement import Placement
-        from .policies import PolicySpec
+        from flexevict.calibrate import engine_probe_config
+        from flexevict.runtime.placement import Placement
+        from flexevict.policies import PolicySpec
         eff = {"prefill": 1.0, "decode": 1.0, "weights": 1.0}
         m = CostModel(engine_probe_config(self.config.arch), self.cal, self.device, self.dtype,
                       probe["prompt"], probe["gen"], PolicySpec("full"), efficiency=eff)

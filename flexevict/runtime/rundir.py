@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 
-from .errors import UserError
+from flexevict.errors import UserError
 
 PREFIX = "run-"
 OWNER = "owner"

@@ -6,7 +6,7 @@ folder the first time a kernel is asked for on a GPU: with `torch.utils.cpp_exte
 when ninja is installed, else with nvcc and the C++ compiler directly (`build.py`, cached in
 ~/.cache/flexevict or $FLEXEVICT_BUILD_DIR), for the GPU's own architecture. A failed build
 warns once and every op falls back to its PyTorch reference. The loaded module is cached: it is
-the only module-level state of `flexevict.kernels`.
+the only module-level state of `flexevict.core.kernels`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import build
+from flexevict.core.kernels import build
 
 KERNELS, REFERENCE = "cuda-kernels", "torch-reference"
 NAME = "flexevict_C"

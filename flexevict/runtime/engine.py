@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
-from .errors import UserError
-from .kv import KVBuffer, load_into, store_into, zeros
-from .model import (LINEAR_WEIGHTS, PackedWeight, Transformer, load_layer_weights,
+from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
+from flexevict.errors import UserError
+from flexevict.core.kv import KVBuffer, load_into, store_into, zeros
+from flexevict.core.model import (LINEAR_WEIGHTS, PackedWeight, Transformer, load_layer_weights,
                     load_outer_weights, onednn_usable)
-from .offload import DONE, Lane, Tiers, Ticket, Traffic
-from .placement import Placement
+from flexevict.runtime.offload import DONE, Lane, Tiers, Ticket, Traffic
+from flexevict.runtime.placement import Placement
 
 POOL = 3          # working buffers in flight: computing, being loaded, being stored
 ATTENTION_KEYS = ("wqkv", "bqkv", "wo", "bo", "ln1_w", "ln1_b", "norm1")

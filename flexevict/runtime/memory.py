@@ -10,11 +10,11 @@ import shutil
 
 import torch
 
-from .engine import POOL, split_weights, stages_for
-from . import rundir
-from .errors import UserError
-from .model import load_layer_weights, load_outer_weights
-from .offload import can_pin, host_bytes, park_bytes
+from flexevict.runtime.engine import POOL, split_weights, stages_for
+from flexevict.runtime import rundir
+from flexevict.errors import UserError
+from flexevict.core.model import load_layer_weights, load_outer_weights
+from flexevict.runtime.offload import can_pin, host_bytes, park_bytes
 
 GIB = 1 << 30
 

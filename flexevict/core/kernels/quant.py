@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ext
+from flexevict.core.kernels import ext
 
 LEVELS = 15
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import UserError
+from flexevict.errors import UserError
 
 
 class Tokenizer:
@@ -42,11 +42,11 @@ class ByteTokenizer:
 def load_tokenizer(path: str | None):
     """Tokenizer for a weight path (None or _DUMMY_ -> bytes)."""
     from tokenizers import Tokenizer as HFTokenizer
-    from .weights import DUMMY, native_info
+    from flexevict.io.weights import DUMMY, native_info
     if path is None or path == DUMMY or (native_info(path) or {}).get("tokenizer") == "bytes":
         return ByteTokenizer()
     if path.endswith(".gguf"):
-        from .gguf_io import gguf_tokenizer
+        from flexevict.io.gguf_io import gguf_tokenizer
         return Tokenizer(gguf_tokenizer(path))
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):

@@ -10,8 +10,8 @@ import functools
 import numpy as np
 import torch
 
-from .config import ModelConfig
-from .errors import UserError
+from flexevict.core.config import ModelConfig
+from flexevict.errors import UserError
 
 # GGUF tensor name -> HF name (per layer names use `blk.{j}.`)
 _LAYER_NAMES = {

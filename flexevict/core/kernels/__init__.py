@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from . import ext, reference
-from .ext import backend
-from .quant import Packed4bit, dequantize_4bit, quantize_4bit
-from .reference import (WORD_BITS, accumulate_scores, buzz_select, candidate_slots,
+from flexevict.core.kernels import ext, reference
+from flexevict.core.kernels.ext import backend
+from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
+from flexevict.core.kernels.reference import (WORD_BITS, accumulate_scores, buzz_select, candidate_slots,
                         compaction, hamming, kv_head_probs, lowest, popcount, reduce_heads)
 
 __all__ = [  # the dispatch functions (kernel or reference) ...
@@ -35,7 +35,7 @@ REDUCTIONS = {"mean": 0, "max": 1, "median": 2}
 
 
 def _fail(op: str, message: str):
-    raise ValueError(f"flexevict.kernels.{op}: {message}")
+    raise ValueError(f"flexevict.core.kernels.{op}: {message}")
 
 
 def _expect(op: str, name: str, t, shape=None, dtype=None, device=None) -> None:

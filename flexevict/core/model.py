@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .errors import UserError
-from .kv import KVBuffer
+from flexevict.core.config import ModelConfig
+from flexevict.errors import UserError
+from flexevict.core.kv import KVBuffer
 
 
 # ------------------------------------------------------------------------------------ weights
@@ -307,7 +307,7 @@ class Transformer:
         out = causal_attention(q, k, v, inp.pads, None if factor == 1.0 else scale)
         scores = None
         if policy.wants_prompt_scores():
-            from . import kernels
+            from flexevict.core import kernels
             scores = kernels.prefill_column_sums(q, k, inp.valid, scale, fold=policy.prompt_scores)
         # buffer rows are (b, kv-head): (B, Hk, S, ...) -> (S, B*Hk, ...)
         rows = lambda t: t.permute(2, 0, 1, *range(3, t.dim())).reshape(s, b * nk, *t.shape[3:])
@@ -400,14 +400,14 @@ def causal_attention(q, k, v, pads: torch.Tensor | None, scale: float | None = N
 def attention_with_column_sums(q, k, v, valid, scale, block: int = 256, fold=None):
     """Prefill attention that also returns each key's attention received (H2O's column sums),
     as the model computes them: SDPA (`causal_attention`) for the output, query blocks of the
-    softmax for the sums (`flexevict.kernels.prefill_column_sums`).
+    softmax for the sums (`flexevict.core.kernels.prefill_column_sums`).
 
     q (B, H, S, d), k/v (B, Hk, S, d), valid (B, S) bool (left padding) ->
     out (B, H, S, d), column sums (B, Hk, S) fp32 summed over query heads, pad queries excluded.
     fold(acc, p, first, valid) replaces the column sum with a policy's own prompt statistic;
     p (B, Hk, g, c, S) fp32 are the probabilities of query rows [first, first + c).
     """
-    from . import kernels
+    from flexevict.core import kernels
     out = causal_attention(q, k, v, (~valid).sum(dim=1), scale).transpose(1, 2)
     return out, kernels.prefill_column_sums(q, k, valid, scale, block, fold)
 
@@ -420,7 +420,7 @@ def attend(q: torch.Tensor, buf: KVBuffer, n: int, scale: float, keys=None):
     A buffer whose policy accumulates scores (`buf.fused_scores`, see policies/base.py
     `add_attention`) gets them added here, in the same kernel, and learns which probs they were.
     """
-    from . import kernels
+    from flexevict.core import kernels
     fused = getattr(buf, "fused_scores", False)
     out, p = kernels.decode_attention(q, buf.k[:n] if keys is None else keys, buf.v[:n],
                                       buf.valid[:n], scale, buf.score if fused else None)

@@ -1,7 +1,7 @@
 """Accuracy tasks built from packaged real text, run on the engine's own path.
 
     from flexevict import LLM
-    from flexevict.tasks import build_task
+    from flexevict.evaluation.tasks import build_task
     llm = LLM("smollm2-135m")
     task = build_task("ppl", llm)                       # packaged Wikipedia + Hamlet streams
     print(task.run(llm, PolicySpec("h2o", budget=0.2)))  # {"ppl": ..., "per_doc": ..., ...}
@@ -33,12 +33,12 @@ import re
 
 import torch
 
-from .errors import UserError
-from .generation import stream_nll
-from .kv import KVBuffer
-from .metrics import rouge_l, token_agreement
-from .packaged import NEWS, SHAKESPEARE, _locate, wikipedia_text
-from .policies import PolicySpec
+from flexevict.errors import UserError
+from flexevict.runtime.generation import stream_nll
+from flexevict.core.kv import KVBuffer
+from flexevict.evaluation.metrics import rouge_l, token_agreement
+from flexevict.io.packaged import NEWS, SHAKESPEARE, _locate, wikipedia_text
+from flexevict.policies import PolicySpec
 
 # Mohtashami & Jaggi (2023)'s passkey filler, as StreamingLLM and Cascade use it
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
