@@ -3,12 +3,16 @@
 torch is deliberately not an install requirement: on a CPU machine an unpinned `torch` would pull
 a multi-GB CUDA build. Install torch first (`pip install torch==2.13.0` for CPU), then this.
 The CUDA extension (`flexevict._C`, sources in cuda/) is built ahead of time here only when a
-CUDA build of torch is importable; otherwise it is compiled on first GPU use.
+CUDA build of torch is importable; otherwise it is compiled on first GPU use, from the sources
+installed with the package as `flexevict.cuda_sources` (package data).
 """
 import glob
 import os
 
 from setuptools import setup
+
+# what of cuda/ is installed as flexevict.cuda_sources: everything a just-in-time build compiles
+CUDA_SOURCES = ["*.cu", "*.cuh", "*.h", "*.cpp", "README.md"]
 
 
 def cuda_extension() -> dict:
@@ -40,8 +44,10 @@ setup(
     description="Offloading throughput engine for LLM inference with KV-cache eviction",
     packages=["flexevict", "flexevict.bench", "flexevict.core", "flexevict.core.kernels",
               "flexevict.evaluation", "flexevict.io", "flexevict.jobs", "flexevict.runtime",
-              "flexevict.policies"],
-    package_dir={"flexevict": "flexevict", "flexevict.policies": "policies"},
+              "flexevict.policies", "flexevict.cuda_sources"],
+    package_dir={"flexevict": "flexevict", "flexevict.policies": "policies",
+                 "flexevict.cuda_sources": "cuda"},
+    package_data={"flexevict.cuda_sources": CUDA_SOURCES},
     python_requires=">=3.10",
     install_requires=["numpy", "tqdm", "tokenizers", "safetensors", "gguf", "nvidia-ml-py",
                       "jinja2"],          # --chat renders the model's own Jinja2 chat template

@@ -2,6 +2,8 @@
 predictions against measured runs, `--percent auto` against the best hand-written setting, and
 what a KV budget does to the largest feasible batch and the predicted throughput.
 
+    python bench/placement_table.py [RESULTS.json]   # the tables again, from a suite's results
+
 Every case runs --repeat times (rounds over all cases, so a disturbance of the shared machine
 hits different cases in different rounds) and its median run is compared (the calibration, too,
 keeps the median of its rounds: both describe the machine as it typically is). Results go to
@@ -91,7 +93,7 @@ def budget_rows() -> list[dict]:
     weight and the cache in memory, and the best plan the search finds, for full and a 20%
     budget. OPT-6.7B 2048 + 2048 on an 80 GB GPU is H2O's setting (synthetic H100)."""
     import torch
-    from flexevict import calibrate, plan as P
+    from flexevict.runtime import calibration, search as P
     from flexevict.api import resolve_model
     from flexevict.runtime.costmodel import CostModel
     from flexevict.runtime.memory import GIB
@@ -99,10 +101,10 @@ def budget_rows() -> list[dict]:
     from flexevict.policies import PolicySpec
     h100 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "placement",
                         "calibration_h100_synthetic.json")
-    here = calibrate.load(torch.device("cpu"), 1)
+    here = calibration.load(torch.device("cpu"), 1)
     settings = [("smollm2-135m", 128, 32, "cpu", here, P.Limits(cpu=2 * GIB), "CPU 2 GiB"),
                 ("smollm2-135m", 1024, 1024, "cpu", here, P.Limits(cpu=2 * GIB), "CPU 2 GiB"),
-                ("opt-6.7b", 2048, 2048, "cuda", calibrate.read_file(h100),
+                ("opt-6.7b", 2048, 2048, "cuda", calibration.read_file(h100),
                  P.Limits(gpu=80 * GIB, cpu=128 * GIB), "GPU 80 GiB (synthetic H100)")]
     rows = []
     for model, prompt, gen, device, cal, limits, what in settings:
@@ -194,3 +196,17 @@ def budget_table(budget: list[dict]) -> list[str]:
                      f"{b['policy']} ({b['slots']}) | {b['largest_batch_in_memory']} | "
                      f"{b['best_plan']} | {b['best_batch']} | {b['best_throughput']:.1f} |")
     return lines
+
+
+def main(argv: list[str]) -> None:
+    """Print the tables of a finished suite run (default: the committed CPU results)."""
+    path = argv[0] if argv else os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                             "results", "placement",
+                                             "predicted_vs_measured_cpu.json")
+    with open(path) as f:
+        data = json.load(f)
+    print(tables(data["cases"], data["budget"], data["repeats"]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -43,7 +43,7 @@ PLACEMENT_RESULTS = os.path.join(RESULTS, "placement")
 # the GPU plan starts before the package is installed: then it is imported from the source tree
 sys.path.append(ROOT)
 
-from flexevict.bench.report import git_commit  # noqa: E402
+from flexevict.runtime.machine import device_name, git_commit  # noqa: E402
 from flexevict.errors import UserError, cli_errors  # noqa: E402
 
 # FlexGen's README table (T4 16 GB, prompt 512, gen 32): percents and batch sizes as published
@@ -176,7 +176,8 @@ SUITES = {"cpu": suite_cpu, "placement-cpu": suite_placement_cpu, "flexgen": sui
 def device_label() -> str:
     if not torch.cuda.is_available():
         return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    name = device_name(torch.device("cuda"))
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def run_engine(c: dict, out: str) -> dict:
@@ -320,8 +321,8 @@ def bound_table(rows: list[dict], bandwidth: float | None) -> str:
 # the live cache once: at ~3 TB/s that is 15-25 ms; with kernel launch overheads 30-60 ms for
 # `full` at batch 24, so 2047 steps take 1-2 minutes; a 20% budget (819 slots) reads ~10 GB, ~25
 # ms. Prefill of 24 x 2048 tokens is ~0.7 PFLOP: ~1-2 s. Every case is its own process: python
-# and torch start, 13.4 GB of dummy weights made on the GPU, the warm-up (64 + 8 tokens): ~20-30
-# s before its clock starts.
+# and torch start, 13.4 GB of dummy weights made on the GPU, the warm-up (WARMUP_PROMPT +
+# WARMUP_TOKENS tokens, flexevict/bench/throughput.py): ~20-30 s before its clock starts.
 
 WHEELS = os.path.join(HERE, "wheels")
 WHEEL_GLOBS = {"gguf": "gguf-*.whl", "flexgen": "flexgen-0.1.8-*.whl"}
@@ -429,8 +430,9 @@ def _call2(p: _Parts) -> list[Step]:
         # (13.4 GB, ~1 min), warms up and runs 512 + 32 at batch 2 (~10 s)
         p.suite("flexgen", ["opt-6.7b"], "call2-flexgen.json", 2.0,
                 env=f"FLEXGEN_PYTHON={p.py} PYTHONPATH={FLEXGEN_SITE} "),
-        # per case: 13.4 GB of weights into pinned host memory (~20 s), then 8 warm-up and 16
-        # timed steps that each stream them over PCIe (~0.3-0.5 s); and the bandwidth probe
+        # per case: 13.4 GB of weights into pinned host memory (~20 s), then WARMUP_TOKENS
+        # warm-up and 16 timed steps that each stream them over PCIe (~0.3-0.5 s); and the
+        # bandwidth probe
         p.suite("bound", ["opt-6.7b-weights-cpu-bs8", "opt-6.7b-weights-cpu-bs32"],
                 "call2-bound.json", 1.5),
         p.calibration_back,

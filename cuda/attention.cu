@@ -13,7 +13,7 @@ using fe::kWarp;
 constexpr int kDecodeThreads = 256;
 constexpr int kDecodeWarps = kDecodeThreads / kWarp;
 constexpr int kHeadChunk = 4;                 // query heads handled per pass over K or V
-constexpr int kDecodeMaxDim = 256;
+constexpr int kDecodeMaxDim = FE_DECODE_MAX_DIM;
 constexpr int kDimPerLane = kDecodeMaxDim / kWarp;
 constexpr int kUnroll = 4;                    // slots a warp loads before using any
 
@@ -188,7 +188,7 @@ constexpr int kPrefillWarps = kPrefillThreads / kWarp;
 constexpr int kQueriesPerWarp = 4;
 constexpr int kQueryTile = kPrefillWarps * kQueriesPerWarp;
 constexpr int kKeyTile = kWarp;                 // lane j owns key j of a tile
-constexpr int kPrefillMaxDim = 128;
+constexpr int kPrefillMaxDim = FE_PREFILL_MAX_DIM;
 constexpr int kPad = kPrefillMaxDim + 1;        // row stride of key tiles: no bank conflicts
 constexpr int kPrefillDimPerLane = kPrefillMaxDim / kWarp;
 
@@ -343,11 +343,16 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_colsum_kernel(FePrefi
 
 }  // namespace
 
+extern "C" int64_t fe_decode_attention_shared_bytes(int64_t group, int64_t dim) {
+  const int64_t floats = (group + kHeadChunk) * dim + 2 * group + kDecodeWarps * kHeadChunk;
+  return floats * (int64_t)sizeof(float);
+}
+
 extern "C" const char* fe_decode_attention(const FeDecodeAttention* p, cudaStream_t stream) {
-  if (p->dim > kDecodeMaxDim) return "flexevict: decode attention supports head_dim <= 256";
-  const size_t floats = (p->group + kHeadChunk) * p->dim + 2 * p->group + kDecodeWarps * kHeadChunk;
-  const size_t bytes = floats * sizeof(float);
-  if (bytes > 48 * 1024) return "flexevict: decode attention: group * head_dim too large";
+  if (p->dim > kDecodeMaxDim)
+    return "flexevict: decode attention supports head_dim <= " FE_STR(FE_DECODE_MAX_DIM);
+  const size_t bytes = (size_t)fe_decode_attention_shared_bytes(p->group, p->dim);
+  if (bytes > FE_SHARED_BYTES) return "flexevict: decode attention: group * head_dim too large";
   if (p->rows == 0) return nullptr;
   FE_DISPATCH_DTYPE(p->dtype, T,
       decode_attention_kernel<T><<<(unsigned)p->rows, kDecodeThreads, bytes, stream>>>(*p));
@@ -355,9 +360,11 @@ extern "C" const char* fe_decode_attention(const FeDecodeAttention* p, cudaStrea
 }
 
 extern "C" const char* fe_prefill_attention(const FePrefillAttention* p, cudaStream_t stream) {
-  if (p->dim > kPrefillMaxDim) return "flexevict: prefill attention supports head_dim <= 128";
+  if (p->dim > kPrefillMaxDim)
+    return "flexevict: prefill attention supports head_dim <= " FE_STR(FE_PREFILL_MAX_DIM);
   if (p->batch == 0 || p->seq == 0) return nullptr;
-  if (p->batch * p->heads > 65535) return "flexevict: prefill attention: batch * heads > 65535";
+  if (p->batch * p->heads > FE_PREFILL_MAX_BATCH_HEADS)
+    return "flexevict: prefill attention: batch * heads > " FE_STR(FE_PREFILL_MAX_BATCH_HEADS);
   const dim3 rows_grid((unsigned)((p->seq + kQueryTile - 1) / kQueryTile),
                        (unsigned)(p->batch * p->heads));
   const dim3 cols_grid((unsigned)((p->seq + kKeyTile - 1) / kKeyTile),

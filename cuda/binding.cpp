@@ -472,10 +472,28 @@ void dequantize_4bit(const Tensor& packed, const Tensor& mins, const Tensor& sca
            "dequantize_4bit");
 }
 
+// The kernels' limits (flexevict_kernels.h) by name: Python reads them from here, so that the
+// header stays the only place they are written down.
+pybind11::dict limits() {
+  pybind11::dict out;
+  out["shared_bytes"] = FE_SHARED_BYTES;
+  out["decode_max_dim"] = FE_DECODE_MAX_DIM;
+  out["prefill_max_dim"] = FE_PREFILL_MAX_DIM;
+  out["prefill_max_batch_heads"] = FE_PREFILL_MAX_BATCH_HEADS;
+  out["compact_max_seq"] = FE_COMPACT_MAX_SEQ;
+  out["buzz_max_slots"] = FE_BUZZ_MAX_SLOTS;
+  out["buzz_max_dim"] = FE_BUZZ_MAX_DIM;
+  out["lsh_max_bits"] = FE_LSH_MAX_BITS;
+  out["lsh_max_dim"] = FE_LSH_MAX_DIM;
+  out["cascade_max_levels"] = FE_CASCADE_MAX_LEVELS;
+  out["cascade_max_kv_heads"] = FE_CASCADE_MAX_KV_HEADS;
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "flexevict CUDA kernels (see cuda/README.md); use them through flexevict.kernels";
+  m.doc() = "flexevict CUDA kernels (see cuda/README.md); use them through flexevict.core.kernels";
   m.def("decode_attention", &decode_attention);
   m.def("prefill_attention", &prefill_attention);
   m.def("select_commit", &select_commit);
@@ -485,4 +503,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cascade_update", &cascade_update);
   m.def("quantize_4bit", &quantize_4bit);
   m.def("dequantize_4bit", &dequantize_4bit);
+  m.def("limits", &limits, "what each kernel accepts (cuda/flexevict_kernels.h), by name");
+  m.def("decode_attention_shared_bytes", &fe_decode_attention_shared_bytes,
+        "shared memory bytes decode attention needs for (group, dim); at most shared_bytes");
 }

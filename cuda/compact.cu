@@ -44,7 +44,7 @@ __host__ __device__ __forceinline__ int64_t pow2_at_least(int64_t n) {
 // ------------------------------------------------------------------------------ prompt top-k
 
 constexpr int kCompactThreads = 512;
-constexpr int64_t kCompactMaxSeq = 4096;
+constexpr int64_t kCompactMaxSeq = FE_COMPACT_MAX_SEQ;
 
 // order[a] = the prompt index of the a-th token of the row once left-aligned (real tokens
 // first, in order, then the pads); returns the number of real tokens.
@@ -129,9 +129,11 @@ __global__ void __launch_bounds__(kCompactThreads) compact_prompt_kernel(FeCompa
 // ------------------------------------------------------------------------------ BUZZ pass
 
 constexpr int kBuzzThreads = 256;
-constexpr int64_t kBuzzMaxSlots = 3072;
+constexpr int64_t kBuzzMaxSlots = FE_BUZZ_MAX_SLOTS;
 constexpr int kBuzzChunk = 8;                       // tokens staged per in-place move step
-constexpr int kBuzzPerThread = 8;                   // kBuzzChunk * 256 dims / kBuzzThreads
+constexpr int kBuzzPerThread = kBuzzChunk * FE_BUZZ_MAX_DIM / kBuzzThreads;
+static_assert(kBuzzPerThread * kBuzzThreads == kBuzzChunk * FE_BUZZ_MAX_DIM,
+              "a chunk of FE_BUZZ_MAX_DIM-wide tokens must split evenly over the threads");
 
 template <typename T>
 __global__ void __launch_bounds__(kBuzzThreads) buzz_pass_kernel(FeBuzzPass p) {
@@ -245,7 +247,8 @@ __global__ void __launch_bounds__(kBuzzThreads) buzz_pass_kernel(FeBuzzPass p) {
 }  // namespace
 
 extern "C" const char* fe_compact_prompt(const FeCompactPrompt* p, cudaStream_t stream) {
-  if (p->seq > kCompactMaxSeq) return "flexevict: prompt compaction supports at most 4096 tokens";
+  if (p->seq > kCompactMaxSeq)
+    return "flexevict: prompt compaction supports at most " FE_STR(FE_COMPACT_MAX_SEQ) " tokens";
   if (p->prefix + p->ring <= 0 || p->seq == 0) return "flexevict: nothing to compact";
   if (p->rows == 0) return nullptr;
   const size_t bytes = pow2_at_least(p->seq) * sizeof(uint64_t) + p->seq * sizeof(int32_t);
@@ -261,9 +264,10 @@ extern "C" const char* fe_compact_prompt(const FeCompactPrompt* p, cudaStream_t 
 }
 
 extern "C" const char* fe_buzz_pass(const FeBuzzPass* p, cudaStream_t stream) {
-  if (p->n > kBuzzMaxSlots) return "flexevict: BUZZ kernel supports at most 3072 slots";
-  if (p->dim * kBuzzChunk > kBuzzPerThread * kBuzzThreads)
-    return "flexevict: BUZZ kernel supports head_dim <= 256";
+  if (p->n > kBuzzMaxSlots)
+    return "flexevict: BUZZ kernel supports at most " FE_STR(FE_BUZZ_MAX_SLOTS) " slots";
+  if (p->dim > FE_BUZZ_MAX_DIM)
+    return "flexevict: BUZZ kernel supports head_dim <= " FE_STR(FE_BUZZ_MAX_DIM);
   if (p->rows == 0 || p->n == 0) return nullptr;
   const size_t bytes = p->n * (3 * sizeof(int32_t) + 2);
   FE_DISPATCH_DTYPE(p->dtype, T,

@@ -160,8 +160,8 @@ __global__ void lsh_hash_kernel(const T* x, int64_t dim, int64_t x_row, const fl
 // ------------------------------------------------------------------------------ Cascade
 
 constexpr int kCascadeThreads = 128;
-constexpr int kMaxLevels = 16;
-constexpr int kMaxKvHeads = 128;
+constexpr int kMaxLevels = FE_CASCADE_MAX_LEVELS;
+constexpr int kMaxKvHeads = FE_CASCADE_MAX_KV_HEADS;
 
 // rho over a sequence's kv heads of one slot's attention (each summed over its query heads).
 __device__ float reduce_heads(const FeCascadeUpdate& p, int64_t row0, int64_t slot) {
@@ -321,8 +321,9 @@ extern "C" const char* fe_lsh_hash(int dtype, const void* x, int64_t n, int64_t 
                                    const float* proj, int64_t bits, int64_t* codes,
                                    cudaStream_t stream) {
   const int64_t words = (bits + kWarp - 1) / kWarp;
-  if (words > 32) return "flexevict: SimHash supports at most 1024 bits";
-  if (dim * sizeof(float) > 48 * 1024) return "flexevict: SimHash: head_dim too large";
+  if (bits > FE_LSH_MAX_BITS)
+    return "flexevict: SimHash supports at most " FE_STR(FE_LSH_MAX_BITS) " bits";
+  if (dim > FE_LSH_MAX_DIM) return "flexevict: SimHash: head_dim too large";
   if (n == 0) return nullptr;
   const size_t bytes = dim * sizeof(float);
   FE_DISPATCH_DTYPE(dtype, T,
@@ -332,8 +333,12 @@ extern "C" const char* fe_lsh_hash(int dtype, const void* x, int64_t n, int64_t 
 }
 
 extern "C" const char* fe_cascade_update(const FeCascadeUpdate* p, cudaStream_t stream) {
-  if (p->levels > kMaxLevels) return "flexevict: Cascade kernel supports at most 16 sub-caches";
-  if (p->kv_heads > kMaxKvHeads) return "flexevict: Cascade kernel supports at most 128 kv heads";
+  if (p->levels > kMaxLevels)
+    return "flexevict: Cascade kernel supports at most " FE_STR(FE_CASCADE_MAX_LEVELS)
+           " sub-caches";
+  if (p->kv_heads > kMaxKvHeads)
+    return "flexevict: Cascade kernel supports at most " FE_STR(FE_CASCADE_MAX_KV_HEADS)
+           " kv heads";
   if (p->kv_heads < 1 || p->rows % p->kv_heads) return "flexevict: rows must be batch * kv_heads";
   if (p->rows == 0) return nullptr;
   const int64_t ema_slots = p->n > p->sinks ? p->n - p->sinks : 0;

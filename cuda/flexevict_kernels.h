@@ -10,6 +10,23 @@ typedef struct CUstream_st* cudaStream_t;
 
 enum FeDtype { FE_F32 = 0, FE_F16 = 1, FE_BF16 = 2 };
 
+// What each kernel accepts (the one place these numbers live): the launchers check them, their
+// error messages quote them, and the binding exports them as flexevict._C.limits(), from which
+// flexevict.core.kernels decides what a kernel takes and what goes to the PyTorch reference.
+#define FE_SHARED_BYTES (48 * 1024)          // a block's shared memory without opting in to more
+#define FE_DECODE_MAX_DIM 256                // decode attention: head_dim
+#define FE_PREFILL_MAX_DIM 128               // prefill attention: head_dim
+#define FE_PREFILL_MAX_BATCH_HEADS 65535     // prefill attention: batch * heads (grid y)
+#define FE_COMPACT_MAX_SEQ 4096              // prompt compaction: prompt tokens
+#define FE_BUZZ_MAX_SLOTS 3072               // BUZZ pass: buffer slots
+#define FE_BUZZ_MAX_DIM 256                  // BUZZ pass: head_dim
+#define FE_LSH_MAX_BITS 1024                 // SimHash: bits (one warp per 32-bit word)
+#define FE_LSH_MAX_DIM (FE_SHARED_BYTES / 4) // SimHash: head_dim (an fp32 row in shared memory)
+#define FE_CASCADE_MAX_LEVELS 16             // Cascade: sub-caches
+#define FE_CASCADE_MAX_KV_HEADS 128          // Cascade: kv heads per sequence
+#define FE_STR_(x) #x
+#define FE_STR(x) FE_STR_(x)                 // a limit's digits, for an error message
+
 // Decode attention of one query token per buffer row over slots [0, n), masked by `valid`.
 // q (rows, group, dim); k, v (n, rows, dim); valid (n, rows); out (rows, group, dim) contiguous;
 // probs (rows, group, n) fp32 contiguous; score (>= n, rows) fp32 or null: += probs summed over
@@ -148,6 +165,9 @@ extern "C" {
 #endif
 
 const char* fe_decode_attention(const FeDecodeAttention* p, cudaStream_t stream);
+// Bytes of shared memory decode attention needs for `group` query heads of `dim` (a launch
+// takes at most FE_SHARED_BYTES).
+int64_t fe_decode_attention_shared_bytes(int64_t group, int64_t dim);
 const char* fe_prefill_attention(const FePrefillAttention* p, cudaStream_t stream);
 const char* fe_select_commit(const FeSelectCommit* p, cudaStream_t stream);
 const char* fe_compact_prompt(const FeCompactPrompt* p, cudaStream_t stream);

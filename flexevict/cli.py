@@ -9,6 +9,7 @@ import sys
 
 from flexevict.core.config import known_names
 from flexevict.errors import UserError
+from flexevict.runtime.placement import DEFAULT_OFFLOAD_DIR
 
 
 def add_model_args(p: argparse.ArgumentParser, threads: int | None = None):
@@ -67,8 +68,8 @@ def str2bool(v: str) -> bool:
 
 def add_placement_args(p: argparse.ArgumentParser, gpu_batch_size: int = 0):
     """FlexGen's placement flags (same names and defaults; `bench` fixes a GPU batch size),
-    each of which may be `auto` (chosen by the cost model's search, flexevict/plan.py), and
-    the memory limits and calibration that search plans with."""
+    each of which may be `auto` (chosen by the cost model's search, runtime/search.py), and the
+    memory limits and calibration that search plans with."""
     g = p.add_argument_group("placement (FlexGen semantics; 'GPU' is the compute device; "
                              "`auto` asks the cost model, see python -m flexevict.plan)")
     g.add_argument("--percent", nargs="+", default=[100, 0, 100, 0, 100, 0],
@@ -93,7 +94,7 @@ def add_placement_args(p: argparse.ArgumentParser, gpu_batch_size: int = 0):
                        ("compress-cache", "4-bit group-quantised KV cache")):
         g.add_argument(f"--{name}", type=_bool_or_auto, nargs="?", const=True, default=False,
                        help=f"{what} (alone: on; or true, false, auto; default off)")
-    g.add_argument("--offload-dir", default="~/flexevict_offload_dir",
+    g.add_argument("--offload-dir", default=DEFAULT_OFFLOAD_DIR,
                    help="directory for disk-resident weights and cache")
     g.add_argument("--gpu-mem-limit", type=float, default=None, metavar="GB",
                    help="GPU memory the run may use, in GiB (bench caps the allocator at it, e.g. "
@@ -136,12 +137,12 @@ def placement_from_args(args, config=None, lengths: tuple | None = None, device=
     """The placement the flags describe; an unwritable --offload-dir is reported now, before
     any weight is read.
 
-    Flags that say `auto` are chosen by the cost model's search (plan.resolve_auto) for runs of
-    lengths = (prompt_len, gen_len) tokens. A caller that does not know its lengths yet (generate
-    and eval build the model before reading their input) gets a plan for the longest run the
-    model allows: the model's maximum positions, with --max-new-tokens of them generated (a
-    conservative choice: a smaller batch or more offloading than shorter prompts need). With
-    auto, --gpu-batch-size 0 (generate's "unset") is auto too."""
+    Flags that say `auto` are chosen by the cost model's search (runtime.search.resolve_auto)
+    for runs of lengths = (prompt_len, gen_len) tokens. A caller that does not know its lengths
+    yet (generate and eval build the model before reading their input) gets a plan for the
+    longest run the model allows: the model's maximum positions, with --max-new-tokens of them
+    generated (a conservative choice: a smaller batch or more offloading than shorter prompts
+    need). With auto, --gpu-batch-size 0 (generate's "unset") is auto too."""
     from flexevict.runtime import rundir
     from flexevict.runtime.placement import Placement
     _check_percent(args.percent)
@@ -176,7 +177,7 @@ def _check_percent(percent):
 def _resolve(args, config, lengths, device, dtype, max_batch):
     """placement_from_args' auto path: fill in what the caller did not pass."""
     from flexevict.api import DTYPES, resolve_device, resolve_model
-    from flexevict.plan import resolve_auto
+    from flexevict.runtime.search import resolve_auto
     if config is None:
         config, _ = resolve_model(args.model, args.path)
     if device is None:
@@ -187,7 +188,8 @@ def _resolve(args, config, lengths, device, dtype, max_batch):
     if lengths is None:
         gen = max(getattr(args, "max_new_tokens", None) or 1, 1)
         lengths = (max(config.max_positions - gen + 1, 1), gen)
-    placement, _ = resolve_auto(args, config, lengths[0], lengths[1], device, dtype, max_batch)
+    placement, _ = resolve_auto(args, config, lengths[0], lengths[1], device, dtype,
+                                policy_spec(args), max_batch)
     return placement
 
 

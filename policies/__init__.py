@@ -5,56 +5,11 @@ choice): how many committed slots the buffer has (`capacity`), which prompt toke
 prefill (`prefill`), and where each decoded token goes (`before_attention` for pre-attention
 policies, `after_attention` for policies that read the attention probabilities just used).
 """
-from __future__ import annotations
-
-from dataclasses import dataclass
-
-from flexevict.errors import UserError
-
 from flexevict.policies.base import Policy
-
-POLICIES: dict[str, type[Policy]] = {}
-
-
-def register(cls: type[Policy]) -> type[Policy]:
-    POLICIES[cls.name] = cls
-    return cls
-
-
-def get_policy(name: str, budget: float | None = None, budget_tokens: int | None = None,
-               **args) -> Policy:
-    """A fresh policy instance (one per generate call) with its budget and arguments."""
-    if name not in POLICIES:
-        raise UserError(f"unknown policy '{name}'; known policies: {', '.join(POLICIES)}")
-    return POLICIES[name](budget=budget, budget_tokens=budget_tokens, **args)
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """What the user asked for; `make()` gives a fresh policy for each generate call (the
-    resolved slot count depends on that call's prompt and generation lengths)."""
-    name: str = "full"
-    budget: float | None = None
-    budget_tokens: int | None = None
-    args: tuple = ()                  # ((name, value), ...) from --policy-arg
-
-    def make(self) -> Policy:
-        return get_policy(self.name, self.budget, self.budget_tokens, **dict(self.args))
-
-    @classmethod
-    def parse(cls, name: str, budget=None, budget_tokens=None, policy_args=()) -> "PolicySpec":
-        """From CLI strings; checks the policy, budget and `name=value` arguments now."""
-        pairs = []
-        for item in policy_args or ():
-            key, eq, value = item.partition("=")
-            if not eq or not key:
-                raise UserError(f"--policy-arg '{item}' must look like name=value")
-            pairs.append((key.replace("-", "_"), value))
-        spec = cls(name, budget, budget_tokens, tuple(pairs))
-        spec.make()
-        return spec
-
+from flexevict.policies.registry import POLICIES, PolicySpec, get_policy, register
 
 # each module registers itself; a new policy is one file plus one name here
 from flexevict.policies import (full, local, streaming, h2o, tova, scissorhands, buzz,  # noqa: E402,F401
-               vatp, hashevict, cascade)
+                                vatp, hashevict, cascade)
+
+__all__ = ["POLICIES", "Policy", "PolicySpec", "get_policy", "register"]

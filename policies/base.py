@@ -1,6 +1,6 @@
 """The interface every eviction policy implements, and the prefix + recent-ring family.
 
-Budget semantics (DESIGN.md, contract): a run of P prompt and G generated tokens gets
+Budget semantics (the package-wide contract): a run of P prompt and G generated tokens gets
 `slots = floor(budget * (P + G))` per (sequence, layer, kv-head), or `budget_tokens`, never more
 than P + G. The slots include the scratch slot of the token being decoded, so a buffer holds
 `slots - 1` committed tokens and attention reads `slots` tokens per step; the buffer's bytes
@@ -8,6 +8,12 @@ are exactly `slots` rows of K, V and per-slot state.
 
 Scores are per (sequence, kv-head): the attention probabilities of the query heads that share a
 kv head are summed (GQA).
+
+State: `buf.score` and `buf.state` are every policy's per-slot fp32 rows. Anything more is
+DECLARED by `fields()` (`kv.Field`): the buffer allocates it in `buf.policy_state[name]` and
+offloading moves it. Per-layer constants (e.g. a projection) come from `buf.constant(name, make)`.
+For a policy with `accumulates_attention`, the model adds each step's attention to `buf.score`
+(fused into its attention kernel) and calls `after_attention(..., scored=True)`.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import torch
 from flexevict.core import kernels
 from flexevict.errors import UserError
 from flexevict.core.kernels import kv_head_probs  # noqa: F401 - the policies' helper
-from flexevict.core.kv import KVBuffer
+from flexevict.core.kv import Field, KVBuffer
 
 
 class Policy:
@@ -31,6 +37,9 @@ class Policy:
                                     # `prefill` gets instead of column sums (see model.py)
     needs_prompt_queries = False    # prefill also gets the prompt queries q=(S, rows, g, d)
     batch_by_length = False         # decisions depend on the padded prompt length (batch_key)
+    accumulates_attention = False   # buf.score[:n] += each step's attention, summed over the
+                                    # query heads of a kv head (H2O); the model then fuses the
+                                    # sum into its attention kernel (see `after_attention`)
 
     def __init__(self, budget: float | None = None, budget_tokens: int | None = None, **args):
         unknown = set(args) - set(self.args)
@@ -47,6 +56,13 @@ class Policy:
         self.budget, self.budget_tokens = budget, budget_tokens
         self.slots = None
         self.evicts = False
+
+    @classmethod
+    def create(cls, budget: float | None = None, budget_tokens: int | None = None, **args
+               ) -> "Policy":
+        """The registry's constructor: a policy whose class depends on its arguments (VATP's
+        `base`) picks it here. Default: this class."""
+        return cls(budget, budget_tokens, **args)
 
     # ------------------------------------------------------------------ sizing
     def minimum_slots(self) -> int:
@@ -95,6 +111,11 @@ class Policy:
     def split(self, capacity: int) -> None:
         """Divide the committed slots into regions (set attributes; printed by `describe`)."""
 
+    def fields(self) -> tuple[Field, ...]:
+        """The per-buffer state this policy keeps beyond score and state (`kv.Field`): the
+        buffer allocates it, offloading moves it. Default: none."""
+        return ()
+
     def describe(self) -> dict:
         """The resolved budget, for every CLI's output and every JSON result."""
         return {"policy": self.name, "slots": self.slots, **self.opts}
@@ -114,9 +135,12 @@ class Policy:
     def before_attention(self, buf: KVBuffer, slot: int, q: torch.Tensor) -> None:
         """Hook before decode attention; q: (rows, group, d). Default: nothing."""
 
-    def after_attention(self, buf: KVBuffer, slot: int, probs: torch.Tensor) -> None:
+    def after_attention(self, buf: KVBuffer, slot: int, probs: torch.Tensor,
+                        scored: bool = False) -> None:
         """Commit the decoded token written in `slot`; probs: (rows, group, attended) fp32, the
-        attention just used by each query head of a kv head."""
+        attention just used by each query head of a kv head. scored: the caller has already
+        added probs to buf.score (the model does, fused, for `accumulates_attention`); a
+        caller that only hands probs over leaves it False and the policy adds them."""
         buf.commit_appended(slot)
 
 
@@ -148,8 +172,9 @@ class RingPolicy(Policy):
     def describe(self) -> dict:
         return {**super().describe(), "prefix": self.prefix, "ring": self.ring, "scratch": 1}
 
-    def prefix_rank(self, scores, pos, valid) -> torch.Tensor:
-        """(S, rows) rank of prompt tokens for the prefix; higher is kept.
+    def prefix_rank(self, scores, k, v, pos, valid) -> torch.Tensor:
+        """(S, rows) rank of prompt tokens for the prefix; higher is kept. scores, pos, valid
+        (S, rows) and k, v (S, rows, d) are the prompt's, as `prefill` got them.
 
         Default: earliest first (attention sinks)."""
         return -pos.to(torch.float32)
@@ -158,17 +183,19 @@ class RingPolicy(Policy):
         buf.ring_start = buf.cursor = self.prefix
         if k.shape[0] <= buf.capacity:
             return buf.store_prompt(k, v, pos, valid, scores)
-        rank = self.prefix_rank(scores, pos, valid)
+        rank = self.prefix_rank(scores, k, v, pos, valid)
         kernels.compact_prompt(buf, k, v, pos, valid, scores, rank, self.prefix, self.ring)
 
-    def after_attention(self, buf, slot, probs):
-        self.accumulate(buf, slot, probs)
+    def after_attention(self, buf, slot, probs, scored=False):
+        self.accumulate(buf, slot, probs, scored)
         if slot != buf.scratch:
             return buf.commit_appended(slot)
         self.commit(buf)
 
-    def accumulate(self, buf: KVBuffer, slot: int, probs: torch.Tensor) -> None:
-        """Update per-slot scores from this step's attention. Default: nothing."""
+    def accumulate(self, buf: KVBuffer, slot: int, probs: torch.Tensor, scored: bool = False
+                   ) -> None:
+        """Update per-slot scores from this step's attention (scored: see `after_attention`).
+        Default: nothing."""
 
     def commit(self, buf: KVBuffer) -> torch.Tensor:
         """Choose each row's victim and commit the scratch token into the ring (one fused op on
@@ -184,17 +211,11 @@ class RingPolicy(Policy):
         return 0, True, None
 
 
-def add_attention(buf: KVBuffer, probs: torch.Tensor) -> None:
-    """H2O's accumulation: buf.score[:n] += each slot's attention summed over its query heads.
-
-    After the first call the buffer asks `model.attend` to fuse it into the attention kernel
-    (`buf.fused_scores`); attend marks the probabilities it already counted, which are then
-    skipped here. Probabilities that did not come from attend are always added."""
-    if getattr(buf, "scored_probs", None) is probs:
-        buf.scored_probs = None
-        return
-    kernels.accumulate_scores(buf.score, probs)
-    buf.fused_scores = True
+def add_attention(buf: KVBuffer, probs: torch.Tensor, scored: bool) -> None:
+    """H2O's accumulation: buf.score[:n] += each slot's attention summed over its query heads,
+    unless the model already added it (`scored`, Policy.accumulates_attention)."""
+    if not scored:
+        kernels.accumulate_scores(buf.score, probs)
 
 
 def _coerce(name: str, value, default):

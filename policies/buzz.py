@@ -1,66 +1,36 @@
-"""`buzz` and `buzz-logn`: BUZZ, the beehive-structured sparse KV cache with segmented heavy
-hitters (Zhao, Fang, Li, Yang, He; paper 000; seed-buzz.md).
+"""`buzz` and `buzz-logn`: BUZZ (Zhao, Fang, Li, Yang, He 2024, "BUZZ: Beehive-structured Sparse KV
+Cache with Segmented Heavy Hitters for Efficient LLM Inference"; Sec. 3.3, 3.5, Algorithms 1-2,
+Theorem 3.1, App. D.1).
 
-Per (sequence, kv-head) row the cache is ``[k sinks] [middle: old | new] [w window]`` (Sec. 3.3):
+Rule, per (sequence, kv-head) row the cache is ``[k sinks] [middle: old | new] [w window]``
+(Sec. 3.3):
+- Sinks (the first k tokens) and the window (the last w, the current one included) are kept.
+- Buffering (Sec. 3.3, Alg. 1): tokens leaving the window join the middle as *new*; nothing is
+  evicted until the middle exceeds the threshold T.
+- A pass (Alg. 1 lines 13-19, Alg. 2): new tokens are cut into chunks ("hives") of s from the
+  first new token, each keeping its max of accumulated attention (first index on ties; a partial
+  last chunk keeps one); old tokens are interval-sampled, every ŝ-th from the first,
+  ŝ = ⌊(s+1)/2⌋. Survivors become old, in position order.
+- Score (Alg. 2 "accumulated attention scores"): the fp32 attention a token received since it
+  entered (prompt column sums first). `accumulates_attention` is set, so the model adds each
+  step's attention to `buf.score` itself (`scored=True`).
+- `buzz-logn` (Sec. 3.5, Eq. 7/8): attention logits times log_512(n), n = keys attended.
 
-- Sinks (the first k tokens) and the window (the last w tokens, the current one included) are
-  kept verbatim (Sec. 3.3 "Attention sink", "Sliding window"; Remark 1: no-op while a row holds
-  at most k + w tokens).
-- Buffering (Sec. 3.3 "Buffering Strategy", Alg. 1): tokens that leave the window join the
-  middle as *new* tokens; nothing is evicted until the middle (old + new) exceeds the threshold T
-  (seed §2.3 / §6.1: T bounds the whole middle, as in the authors' code and the D.1 recursion).
-- One eviction pass (Alg. 1 lines 13-19, Alg. 2): new tokens are cut into consecutive chunks
-  ("hives") of s, aligned to the first new token; each chunk keeps its local max of accumulated
-  attention (first index on ties; the last partial chunk keeps one too). Old tokens (survivors
-  of earlier passes) are interval-sampled, every ŝ-th from the first, ŝ = ⌊(s+1)/2⌋. All
-  survivors become old. Result: sink ++ old_keep ++ new_keep ++ window, in position order.
-- Score (Alg. 2 "accumulated attention scores A"; seed §2.2): the fp32 sum of the attention
-  probabilities a token received from every query since it entered the cache (prompt column
-  sums first), per kv head, summed over the query heads that share it (GQA, seed §2.6). Scores
-  are kept across passes (the authors' code zeroes sink/old scores, which changes no decision).
-- Prefill (Remark 2): passes repeat until the middle fits T (the first pass sees the whole
-  middle as new, later ones only old tokens), so the buffer is bounded right after prefill
-  (seed §6.5). The prompt's own attention and the first generated token use the full prompt.
-- Decode: a token is appended at `buf.used`; after its attention was accumulated, a row whose
-  middle exceeds T gets one pass (the current step saw the uncompressed cache, seed §2.3). All
-  rows are compacted by one batched gather per buffer tensor (K, V, score, state, pos, valid):
-  every row's kept slots move to the front in slot (= position) order, shorter rows end in
-  invalid slots, and `buf.used` becomes the longest row's count. `buf.state` is 1 for old
-  tokens (it travels with the token), so the old/new split needs no other per-row state.
-  Rows are independent: with left padding, rows reach the threshold at different steps.
+Decisions where the paper is silent or ambiguous:
+- T bounds the whole middle (old + new), as in the authors' code and App. D.1's recursion (Alg. 1's
+  text counts new tokens only); a pass runs when the middle exceeds T, after the step's attention.
+- GQA: a kv head's score sums the attention of its query heads.
+- Prefill (Remark 2): passes repeat until the middle fits T, so the buffer is bounded at once.
+- Budget -> (k, w, T, s): the buffer holds the peak, k + w + T + 1 <= slots; defaults k = 4,
+  s = 5; w and T split the rest in Theorem 3.1's ratio T/w (each settable by --policy-arg).
+- Positions: keys cached before RoPE and rotated by in-cache rank (`pos_shift=True`, the authors'
+  code for every method); `pos_shift=false` keeps true positions.
+- The abstract's "log n time complexity" is not claimed: a pass is O(T) work.
+- Policy state beyond score/state: the declared field `counts` (`fields()`, `kv.Field`) in
+  `buf.policy_state`, the rows' distinct (tokens, old tokens) on the host; `buf.state` = 1 marks
+  old tokens.
 
-Budget -> (k, w, T, s). The buffer must hold the peak, k + w + T committed tokens plus the one
-being decoded (seed §2.11, §8), so with `slots` slots (scratch included) we need
-k + w + T + 1 <= slots. Defaults k = 4 and s = 5 (the paper's and its code's; seed §5). With
-C = slots - 1 - k and Theorem 3.1's ratio r = T/w = (s²+1)/(s+1) for odd s, s-1 for even s:
-
-    w = max(1, floor(C / (1 + r))),   T = C - w
-
-which fills every slot and puts T/w in the theorem's own interval r <= T/w < r + 2s/w (eq. 13/14;
-1 + r < 2s). E.g. 201 slots -> k=4, w=36, T=160 (the "cache size 200" setting of Fig. 4 /
-Table A, T/w = 4.44) and 165 slots -> (4, 30, 130, 5). Each of k, w, T, s can be set with
---policy-arg (w=0 and T=0 mean "derive"); given w only, T = C - w; given T only, w = C - T.
-Constraints: s >= 3 (with s <= 2, ŝ = 1 and old tokens are never evicted, so no buffer bounds
-the cache), T >= 2 (the smallest threshold for which one decode pass always brings the middle
-back to <= T for every s >= 3), w >= 1. The paper's budgets are *average* cache sizes; this
-engine allocates the peak, and `describe()` reports both (the average from an exact simulation
-of the token counts, which do not depend on scores, for this run's prompt and generation
-lengths; plus the steady-state k + w + (a* + T)/2 with a* = T(s+1)/(s²+1), seed §2.11).
-
-Positions (LLaMA/RoPE; seed §2.7, §6.7 - ambiguous in the paper): the authors' code uses
-StreamingLLM's pos-shift (keys cached before RoPE, rotated by their rank in the cache) for every
-method, so by default `rope_in_cache` is on (`pos_shift=True`), as in `streaming`;
-`--policy-arg pos_shift=false` caches keys after RoPE at their true positions instead. (The seed
-report recommended true positions for layout simplicity; in this engine the model already rotates
-by in-cache rank, so pos-shift costs no layout change and matches the paper's numbers.) When the
-run never evicts (budget >= sequence) keys stay post-RoPE like `full`: the ranks would equal the
-positions anyway, and this keeps the logits bit-identical to `full`.
-
-`buzz-logn` (Sec. 3.5, eq. 7/8): attention logits are multiplied by log_512(n), n = the number of
-keys attended (cache + current token; the prompt length at prefill), in all layers, prefill and
-decode, whether or not the run evicts (it is part of the variant's attention). The "log n time
-complexity" claims of the abstract are not implemented or claimed (seed §2.10); eviction work
-is O(T) per pass, one pass every T + 1 - a* steps.
+Notes: policies/README.md#buzz
 """
 from __future__ import annotations
 
@@ -71,9 +41,9 @@ import torch
 from flexevict.core import kernels
 from flexevict.errors import UserError
 from flexevict.core.kernels import buzz_select, compaction
-from flexevict.core.kv import KVBuffer, left_aligned
+from flexevict.core.kv import Field, KVBuffer, left_aligned
 
-from flexevict.policies import register
+from flexevict.policies.registry import register
 from flexevict.policies.base import Policy, add_attention
 
 MIN_T = 2          # smallest threshold for which a decode pass always fits (any s >= 3)
@@ -84,6 +54,7 @@ class Buzz(Policy):
     name = "buzz"
     args = {"k": 4, "w": 0, "T": 0, "s": 5, "pos_shift": True}
     needs_prompt_scores = True
+    accumulates_attention = True
     rope_in_cache = True
 
     def __init__(self, budget=None, budget_tokens=None, **args):
@@ -104,6 +75,10 @@ class Buzz(Policy):
         self.run_lengths = None
 
     # ------------------------------------------------------------------ sizing
+    def fields(self):
+        # the distinct (tokens, old tokens) of the rows, on the host (see `prefill`)
+        return (Field("counts", init=()),)
+
     def minimum_slots(self) -> int:
         o = self.opts
         return o["k"] + max(o["w"], 1) + (o["T"] or MIN_T) + 1
@@ -204,23 +179,24 @@ class Buzz(Policy):
         # the distinct (tokens, old tokens) of the rows, on the host: the counts follow the
         # rules alone (`pass_counts`), so decode knows every pass's outcome without reading the
         # device (these host reads, like the loop's, happen once per prefill)
-        buf.buzz_counts = _distinct(zip(live.sum(0).tolist(), old.sum(0).tolist()))
+        buf.policy_state["counts"] = _distinct(zip(live.sum(0).tolist(), old.sum(0).tolist()))
 
-    def after_attention(self, buf: KVBuffer, slot: int, probs: torch.Tensor) -> None:
+    def after_attention(self, buf: KVBuffer, slot: int, probs: torch.Tensor,
+                        scored: bool = False) -> None:
         if not self.evicts:
             return buf.commit_appended(slot)
         n = probs.shape[-1]
-        add_attention(buf, probs)
+        add_attention(buf, probs, scored)
         if slot != buf.scratch:
             buf.commit_appended(slot)
-        counts = [(c + 1, a) for c, a in buf.buzz_counts]     # every row holds the new token
+        counts = [(c + 1, a) for c, a in buf.policy_state["counts"]]     # every row holds the new token
         # buf.used is the longest row's count, so this is "some row's middle exceeds T"; a token
         # in scratch cannot stay there (it cannot happen without a pass when k+w+T+1 <= slots,
         # but compacting then still frees room, since no row holds more than k+w+T tokens)
         if n > self.k + self.w + self.T or slot == buf.scratch:
             counts = [self.pass_counts(c, a) for c, a in counts]
             self.evict(buf, n, max(c for c, _ in counts))
-        buf.buzz_counts = _distinct(counts)
+        buf.policy_state["counts"] = _distinct(counts)
 
     # ------------------------------------------------------------------ the pass
     def select(self, valid, old, score):

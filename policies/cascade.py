@@ -1,66 +1,42 @@
-"""`cascade`: Cascading KV Cache (Willette et al., "Training-Free Exponential Extension of Sliding
-Window Context with Cascading KV Cache", arXiv 2406.17808 v1; paper 002, seed-cascade.md).
+"""`cascade`: Cascading KV Cache (Willette et al. 2024, "Training-Free Exponential Extension of
+Sliding Window Context with Cascading KV Cache", arXiv 2406.17808 v1; Sec. 3.1, Algorithm 1,
+App. B and C).
 
-Rules (paper Sec. 3.1, Algorithm 1, App. B and C; seed report §1):
+Rule:
+- `sinks` slots (default 4, Sec. 4 "Setup") hold the first tokens forever, never scored. The rest
+  of the committed slots, the window |C|, is split into `cascades` = N (default 4, Table 5)
+  circular sub-caches C_1..C_N (Sec. 4.5) of W = |C| // N slots; C_1 holds the newest tokens.
+- Acceptance (Sec. 3.1, Fig. 4, Eq. 4: C_i accepts half of what C_{i-1} evicts): with t the
+  token's position (sinks included) and i the 0-based sub-cache index, C_i accepts iff
+  (t - sinks) mod 2^i == 0 (the authors' code; the paper does not define "iteration").
+- Insertion (Algorithm 1): accepting and not full -> append; accepting and full -> push, the
+  oldest cascades on (dropped from C_N); not accepting and empty -> append; otherwise the incoming
+  token replaces the sub-cache's newest iff its score is higher (strict `>`; `tie_replace=True`
+  gives the code's `>=`), the loser is dropped.
+- Score (Sec. 3.1 "Token Selection"): an EMA mu <- gamma*mu + (1-gamma)*s of the attention each
+  token receives, in `buf.state` (it travels with the token); gamma = exp(-N ln(100) / |C|)
+  (App. B, Eq. 14) unless given.
+- Homogeneous heads (Sec. 3.1, App. C): one decision per (sequence, layer); s is reduced over the
+  sequence's `buf.kv_heads` kv heads with `reduce` = mean | max | median (default mean).
+- Positions (Sec. 3.1): contiguous in-cache ranks (`rope_in_cache`); OPT keeps its true absolute
+  positions (learned position embeddings cannot be re-ranked).
 
-- `sinks` attention-sink slots (default 4, Sec. 4 "Setup") hold the first tokens forever; they are
-  never scored or evicted. The rest of the committed slots, the window |C|, is split into
-  `cascades` = N (default 4, Table 5) equal sub-caches C_1..C_N of W = |C| // N slots each; C_1
-  holds the newest tokens. Each sub-cache is a circular buffer (Sec. 4.5): a contiguous block of
-  W slots with a start index (its oldest slot) and a count.
-- Acceptance schedule (Sec. 3.1, Fig. 4, Eq. 4: sub-cache i accepts half of what C_{i-1} evicts):
-  with t the 0-based index of the incoming token (sinks included, i.e. its position) and i the
-  0-based sub-cache index, C_i is accepting iff (t - sinks) mod 2^i == 0 (seed §1.2 / §5.1, the
-  authors' code; the paper does not define "iteration").
-- Insertion (Algorithm 1): a token goes to the sinks while they are not full; then, per
-  sub-cache: accepting and not full -> append; accepting and full -> push it, and the evicted
-  oldest token cascades to the next sub-cache (from C_N it is dropped); not accepting and empty ->
-  append ("eager add"); not accepting and not empty -> the incoming token replaces the newest
-  token of the sub-cache iff its score is higher (strict `>`, the paper's rule; `tie_replace=True`
-  gives the code's `>=`), and the loser is dropped.
-- Token-selection score (Sec. 3.1 "Token Selection"): an EMA mu <- gamma*mu + (1-gamma)*s of the
-  attention probability s each token receives, kept per slot in `buf.state` (so it travels with
-  the token); a new token starts at mu = 0. gamma = exp(-N ln(100) / |C|) (App. B, Eq. 14) unless
-  `gamma` is given in [0, 1].
-- Homogeneous heads (Sec. 3.1, App. C): one decision per (sequence, layer) for all heads. s is
-  reduced over the heads with rho = `reduce` (mean | max | median; default mean, Sec. 4); every
-  row of a sequence (rows b*kv_heads + h) gets the same score, so all its rows make the same
-  moves and each kept token has one in-cache position.
-- Positions (Sec. 3.1 "Positional Encoding"): contiguous in-cache ranks, sinks first
-  (`rope_in_cache`: keys cached before RoPE and rotated by rank at attention time). OPT keeps its
-  true absolute positions (seed §5.6).
+Decisions where the paper is silent:
+- Order: the new token attends from the scratch slot first; then every non-sink EMA is updated
+  (the new token's included) and the insertion runs with the updated scores.
+- Fill phase: the paper's schedule (tokens may drop before the window is full); `eager_fill`
+  (the authors' later code) accepts everywhere until the window is full.
+- Prefill (not in the paper): one full causal pass; each prompt token's initial mu is its
+  EMA-weighted column sum (`prompt_scores`, the `fold` the model passes to
+  kernels.prefill_column_sums), then the prompt is inserted token by token by Algorithm 1.
+- GQA: a kv head's probability sums its query heads (mean: the paper's decisions exactly).
+- Budget: |C| = slots - 1 - sinks, W = |C| // N, and the remainder goes to C_1. Minimum slots:
+  sinks + N + 1.
+- Counters are per sequence (left-padded rows follow their own schedules): the declared fields
+  `start`/`count` (`fields()`, `kv.Field`) in `buf.policy_state`; the sub-cache layout is a
+  per-layer constant, `buf.constant("cascade_layout", ...)`.
 
-Decisions where the paper is silent or ambiguous (seed §5):
-
-- Order of operations. The engine attends the new token from the scratch slot before the policy
-  commits it, so after each attention step this module first updates every non-sink slot's EMA
-  (the new token included), then runs the insertion with the updated scores. The seed's worked
-  examples (Example A and B) are reproduced exactly under this order.
-- Fill phase: the paper's schedule (no "fill first"; tokens can be dropped before the window is
-  full, seed §5.2), with an `eager_fill` option (the later code): every sub-cache accepts while
-  the window is not full, so nothing is dropped until it is.
-- Prefill (not in the paper, seed §1.9 / §5.8): the engine's prefill is one full causal pass, so
-  the submission code's token-by-token attention over the cascade is not available. We follow
-  the later code's "strided" prefill with one stride covering the whole prompt: each prompt
-  token's score is its EMA-weighted column sum sum_q (1-gamma) gamma^(P-1-q) a[q, k] over the
-  real prompt queries q (`prompt_scores`, folded from the prefill attention), i.e. exactly the mu
-  the decode EMA would give it had the prompt been streamed with full attention; it is the
-  token's initial mu for decode. Then the prompt tokens are inserted one by one, in order, by
-  Algorithm 1 with these (static) scores. Which slots move where depends only on t and the fill
-  counts, never on scores, so that part is computed once per run (plain Python) and shared by
-  all rows and layers; per token only the score comparison is a tensor op over all rows.
-- GQA: a kv head's probability is the sum over the query heads that share it (the project's
-  convention); rho is then taken over the sequence's kv heads. For `mean` this is exactly the
-  paper's mean over all query heads times the group size (same decisions); for max/median with
-  GQA it is the kv-head variant.
-- Budget: slots = sinks + N*W + 1 (scratch); W = (slots - 1 - sinks) // N and any remainder
-  goes to C_1 (the recent window). Minimum: sinks + N + 1.
-- Counters are per row (per sequence; heads share them), so left-padded batches with different
-  prompt lengths each follow their own schedule (seed §5.5).
-
-The number of kv heads per sequence is read from `buf.kv_heads` (set by the engine when it
-allocates buffers); a buffer without it is treated as one kv head per sequence, i.e. each row
-decides on its own.
+Notes: policies/README.md#cascade
 """
 from __future__ import annotations
 
@@ -70,10 +46,10 @@ import torch
 
 from flexevict.core import kernels
 from flexevict.errors import UserError
-from flexevict.core.kernels import reduce_heads
-from flexevict.core.kv import left_aligned
+from flexevict.core.kernels import SubCaches, reduce_heads
+from flexevict.core.kv import Field, left_aligned
 
-from flexevict.policies import register
+from flexevict.policies.registry import register
 from flexevict.policies.base import Policy
 
 REDUCTIONS = ("mean", "max", "median")
@@ -103,6 +79,7 @@ class Cascade(Policy):
         self.sinks, self.n = o["sinks"], o["cascades"]
         self.sizes: list[int] = []
         self.gamma = 0.0
+        self._schedules: dict = {}    # memo: the prompt insertion is the same in every layer
 
     # ------------------------------------------------------------------ sizing
     def minimum_slots(self) -> int:
@@ -134,28 +111,27 @@ class Cascade(Policy):
         return total if acc is None else acc + total
 
     # ------------------------------------------------------------------ layout
-    def _setup(self, buf) -> None:
-        """Per-buffer cascade state, allocated on first use: start/count (N, rows) per row, and
-        each sub-cache's first slot, size and acceptance period (N, 1)."""
-        dev, rows = buf.k.device, buf.k.shape[1]
-        if getattr(buf, "cascade_start", None) is None:
-            buf.cascade_start = torch.zeros(self.n, rows, dtype=torch.int64, device=dev)
-            buf.cascade_count = torch.zeros(self.n, rows, dtype=torch.int64, device=dev)
+    def fields(self):
+        # per row, each sub-cache's oldest entry and fill
+        return (Field("start", (self.n, "rows"), torch.int64),
+                Field("count", (self.n, "rows"), torch.int64))
+
+    def subcaches(self, buf) -> SubCaches:
+        """The buffer's sub-caches: its declared start/count, and each sub-cache's first slot,
+        size and acceptance period (N, 1) (constants of the run)."""
+        def layout(dev):
+            col = lambda x: torch.tensor(x, dtype=torch.int64, device=dev).unsqueeze(1)  # noqa: E731
             bases = [self.sinks + sum(self.sizes[:i]) for i in range(self.n)]
-            col = lambda x: torch.tensor(x, dtype=torch.int64, device=dev).unsqueeze(1)
-            buf.cascade_base = col(bases)
-            buf.cascade_size = col(self.sizes)
-            buf.cascade_period = col([1 << i for i in range(self.n)])
-        else:
-            buf.cascade_start.zero_()
-            buf.cascade_count.zero_()
+            return col(bases), col(self.sizes), col([1 << i for i in range(self.n)])
+        return SubCaches(buf.policy_state["start"], buf.policy_state["count"],
+                         *buf.constant("cascade_layout", layout))
 
     def contents(self, buf, row: int = 0) -> list[list[int]]:
         """Positions held by each sub-cache C_1..C_N of one row, oldest first (for inspection)."""
         out = []
         for i, size in enumerate(self.sizes):
             base = self.sinks + sum(self.sizes[:i])
-            st, cn = int(buf.cascade_start[i, row]), int(buf.cascade_count[i, row])
+            st, cn = (int(buf.policy_state[f][i, row]) for f in ("start", "count"))
             out.append([int(buf.pos[base + (st + k) % size, row]) for k in range(cn)])
         return out
 
@@ -168,8 +144,8 @@ class Cascade(Policy):
         appends, one simultaneous move) and compare is None or (carry, newest): the carry
         replaces the newest iff it scores higher; plus the (start, count) after each token."""
         key = (p, tuple(self.sizes))
-        if getattr(self, "_cached", (None,))[0] == key:
-            return self._cached[1]
+        if key in self._schedules:
+            return self._schedules[key]
         S, sc = self.sinks, self.sinks + sum(self.sizes)
         bases = [S + sum(self.sizes[:i]) for i in range(self.n)]
         start, count = [0] * self.n, [0] * self.n
@@ -196,29 +172,29 @@ class Cascade(Policy):
                     break
             plan.append((src, dst, cmp))
             hist.append((tuple(start), tuple(count)))
-        self._cached = (key, (plan, hist))
+        self._schedules[key] = plan, hist
         return plan, hist
 
     def _schedule_tensors(self, p: int, dev) -> list:
         """`_schedule` as per-token (src, dst) index columns (k, 1) on the buffer's device, the
         competing pair last; cached for the run (every layer inserts the same prompt)."""
         key = (p, tuple(self.sizes), str(dev))
-        if getattr(self, "_cached_t", (None,))[0] != key:
+        if key not in self._schedules:
             plan, _ = self._schedule(p)
             out = []
             for src, dst, cmp in plan:
                 if cmp is not None:
                     src, dst = src + [cmp[0]], dst + [cmp[1]]
-                col = lambda x: torch.tensor(x, dtype=torch.int64, device=dev).unsqueeze(1)
+                col = lambda x: torch.tensor(x, dtype=torch.int64, device=dev).unsqueeze(1)  # noqa: E731
                 out.append((col(src), col(dst), cmp))
-            self._cached_t = (key, out)
-        return self._cached_t[1]
+            self._schedules[key] = out
+        return self._schedules[key]
 
     # ------------------------------------------------------------------ hooks
     def prefill(self, buf, k, v, pos, valid, scores=None):
         if not self.evicts:
             return buf.store_prompt(k, v, pos, valid, scores)
-        self._setup(buf)
+        self.subcaches(buf)              # its constants are made here, never in a decode step
         dev = k.device
         p, rows = valid.shape
         cap, sc = buf.capacity, buf.scratch
@@ -229,7 +205,7 @@ class Cascade(Policy):
             proxy = torch.zeros(p, rows, dtype=torch.float32, device=dev)
         else:   # the EMA-weighted column sums of `prompt_scores`, reduced over heads
             proxy = torch.where(real, scores.float().gather(0, order), 0.0)
-            proxy = reduce_heads(proxy, getattr(buf, "kv_heads", 1), self.opts["reduce"])
+            proxy = reduce_heads(proxy, buf.kv_heads, self.opts["reduce"])
         # insert the prompt token by token (left-aligned, so token i has t = i in every row) on
         # index maps: which prompt token each slot holds, and its score
         _, hist = self._schedule(p)
@@ -256,8 +232,8 @@ class Cascade(Policy):
         # each row's sub-cache counters as of its last prompt token
         h = torch.tensor([list(a) + list(c) for a, c in hist], device=dev)    # (p+1, 2N)
         at = h[n_real.clamp(max=p)].t()                                       # (2N, rows)
-        buf.cascade_start.copy_(at[:self.n])
-        buf.cascade_count.copy_(at[self.n:])
+        buf.policy_state["start"].copy_(at[:self.n])
+        buf.policy_state["count"].copy_(at[self.n:])
         kept = held[:cap] >= 0
         buf.store_prompt(k, v, pos, valid, scores, keep=held[:cap].clamp(min=0))
         buf.valid[:cap] &= kept
@@ -265,9 +241,10 @@ class Cascade(Policy):
         buf.state[:cap] = torch.where(kept, mu[:cap], 0.0)
         buf.state[:min(self.sinks, cap)] = 0.0
 
-    def after_attention(self, buf, slot, probs):
+    def after_attention(self, buf, slot, probs, scored=False):
         if not self.evicts or slot != buf.scratch:
             return buf.commit_appended(slot)
         # EMA of every non-sink slot (new token included), then Algorithm 1: one launch on a GPU
-        kernels.cascade_update(buf, probs, self.sinks, self.gamma, self.opts["reduce"],
-                               sum(self.sizes), self.opts["tie_replace"], self.opts["eager_fill"])
+        o = self.opts
+        kernels.cascade_update(buf, self.subcaches(buf), probs, self.sinks, self.gamma, o["reduce"],
+                               sum(self.sizes), o["tie_replace"], o["eager_fill"])

@@ -1,7 +1,7 @@
 """`full`: no eviction; the buffer holds every token (the reference all policies are checked against)."""
 from flexevict.errors import UserError
 
-from flexevict.policies import register
+from flexevict.policies.registry import register
 from flexevict.policies.base import Policy
 
 

@@ -1,58 +1,36 @@
-"""`hashevict`: HashEvict, LSH-based pre-attention KV eviction (Liu et al., arXiv 2412.16187;
-paper 003, seed-hashevict.md).
+"""`hashevict`: HashEvict, LSH-based pre-attention KV cache eviction (Liu et al. 2024, "HashEvict:
+A Pre-Attention KV Cache Eviction Strategy using Locality-Sensitive Hashing", arXiv 2412.16187;
+Sec. 2 Eq. 2-3, Sec. 3 Eq. 5-6 and Algorithm 1, Sec. 4 "Configuration").
 
-Rule (paper Sec. 2 Eq. 2-3, Sec. 3 Eq. 5-6 and Algorithm 1, Sec. 4 "Configuration"):
+Rule:
+- Hash: a fixed Gaussian projection R (c x d, N(0, 1) entries); h(x) = Heaviside(R x), bit j = 1
+  iff (R x)_j >= 0 (Sec. 2). Keys are hashed once when written, queries each step.
+- Each decode step, BEFORE attention (Algorithm 1): among the candidates, evict the cached key
+  with the largest Hamming distance popcount(h(q_t) XOR h(k_j)) from the current query; the new
+  token takes its place and attends over the kept set only. Memoryless: no accumulation, no decay.
+- Always kept (Sec. 4): the first `sinks`=4 tokens and the `recent`=10 most recent cached tokens
+  (positions >= t - 10 for the token t being decoded, as in the authors' code), inside the budget.
+  Empty slots are filled before anything is evicted.
 
-- Hash: a fixed Gaussian projection R (c x d, entries N(0, 1)); h(x) = Heaviside(R x), bit j = 1
-  iff (R x)_j >= 0 (seed §1.1, §5.7). Keys are hashed once, post-RoPE (what attention sees; seed
-  §1.7, §5.5), when they are written; queries are hashed each step.
-- Each decode step, BEFORE attention (Algorithm 1 line 1): among the eviction candidates, evict
-  the cached key with the largest Hamming distance popcount(h(q_t) XOR h(k_j)) from the current
-  query; the new token takes its place and attends over the kept set only (the victim is masked
-  out before attention, Algorithm 1 line 6). Memoryless: no accumulation, no decay (seed §5.11).
-- Always kept (Sec. 4): the first `sinks`=4 tokens and the `recent`=10 most recent cached tokens,
-  i.e. positions >= t - 10 for the token t being decoded (seed §5.8, the authors' code). Both count
-  inside the budget. Empty slots are filled before anything is evicted.
+Decisions where the paper is silent or ambiguous:
+- Query hash (the paper); `hash_source=key` compares the new key's hash (the authors' code).
+- q_t (Algorithm 1; available before attention), not Eq. 6's q_{t-1}.
+- Keys and queries are hashed post-RoPE (what attention sees; the authors' code, App. E).
+- GQA: one decision per kv head; distance = the SUM of the group's query heads' distances.
+- Ties: the oldest (smallest position) of the farthest candidates; layout independent.
+- R: one per layer, shared by its heads, seeded from (`seed`, `buf.layer`); never changes mid-run.
+  It is a per-layer constant, `buf.constant("hash_proj", ...)`.
+- Prefill `replay` (default): plain SDPA prefill (no column sums), then Algorithm 1's decisions
+  replayed over prompt tokens C .. N-1 with their hashes (Sec. 3 "Prompt Encoding Stage"). The
+  model passes the prompt queries (`q=`) because `needs_prompt_queries` is set; a caller that
+  does not makes the replay use each key's hash as its query hash. `prefill=recent_global` keeps
+  the first `sinks` and the last C - sinks prompt tokens (the authors' code's default).
+- Storage: codes of c <= 24 bits sit in the fp32 `buf.state` of the key's slot; wider codes (the
+  c = 32 / 64 ablation) in the declared field `hash` (`buf.policy_state["hash"]`), as is each
+  row's pre-attention victim (`victims`). Both are declared by `fields()` (`kv.Field`).
+- With a budget >= prompt + gen nothing is hashed and nothing moves.
 
-Layout (a `RingPolicy`): the prefix holds the sinks and the candidates, the ring holds the
-`recent + 1` most recent cached tokens, so its oldest entry (the one leaving the protected window,
-position t - 11) is the only ring token that competes: candidates = non-sink prefix slots + the
-ring's oldest (seed §1.8(b) needs exactly this: its candidates are positions 3, 5, 7 of
-[0, 3, 5, 7, 8, 9] with 2 recent protected). `ring_commit` then moves the oldest recent token
-into the victim's slot (where it is a candidate from then on) and the new token into the ring.
-A valid sink slot is never a victim; an empty one (a row whose prompt had fewer than `sinks`
-tokens) is filled like any empty slot, by the oldest token leaving the ring.
-
-Decisions on ambiguities (seed §5):
-- §5.1 query vs key hash: the query (the paper), `hash_source=key` compares the new token's key
-  hash instead (the authors' code).
-- §5.2 q_t (available before attention), not q_{t-1}.
-- §5.3 GQA: one decision per kv head; the distance is the SUM over the group's query heads of
-  their Hamming distances (MHA: group of one, the paper's per-head rule).
-- §5.4 ties (frequent: distances are integers in [0, c]): the oldest (smallest position) among
-  the maximal-distance candidates; layout independent. No `lowest_slot` option: our slot layout
-  differs from the authors' code, so slot-index parity would mean nothing.
-- §5.6 R: deterministic given `seed`; one R per layer, shared by that layer's heads, seeded from
-  (seed, layer) where the layer is `buf.layer`; deterministic and independent of batch split and
-  placement. R never changes mid-run.
-- §5.9 prefill: `replay` (default, the seed's recommendation): attention over the whole prompt
-  is the normal SDPA prefill (no attention column sums, `needs_prompt_scores = False`), then
-  Algorithm 1's decisions are replayed over t = C .. N-1 with the prompt tokens' query and key
-  hashes (the paper's Sec. 3 "Prompt Encoding Stage": fill the first C tokens, then the same
-  per-step rule), batched over rows, O((N - C) * C) popcounts per row. Only hashes are touched in
-  the loop; K/V are gathered once at the end. It equals the sequential paper semantics at layer 0.
-  The prefill hook receives the prompt queries only if the engine passes them (`q=`, see the
-  report); without them the replay uses each prompt token's key hash as its query hash (the
-  authors' code's comparison). `prefill=recent_global` keeps the first `sinks` and the last
-  C - sinks prompt tokens (the authors' code's default prompt compression).
-- Storage (the brief's choice): codes are packed 32 bits per int64 word. With c <= 24 (default
-  16) the single word is stored exactly in the fp32 `buf.state` of the key's slot, so it moves
-  with the token in every `move`/`replace`/`ring_commit` and counts in `buf.nbytes()`. With
-  c > 24 (the paper's c = 32 / 64 ablation, Table 10) the codes live in `buf.hash`, an int64
-  tensor (slots, rows, words) allocated once on first use, which this policy moves itself in
-  the ring commit (it is not part of `buf.tensors()`).
-
-With a budget >= prompt + gen nothing is hashed and nothing moves (logits bit-identical to full).
+Notes: policies/README.md#hashevict
 """
 from __future__ import annotations
 
@@ -61,9 +39,9 @@ import torch
 from flexevict.core import kernels
 from flexevict.errors import UserError
 from flexevict.core.kernels import WORD_BITS, hamming, hash_codes, popcount
-from flexevict.core.kv import KVBuffer, gather_prompt, left_aligned
+from flexevict.core.kv import Field, KVBuffer, gather_prompt, left_aligned
 
-from flexevict.policies import register
+from flexevict.policies.registry import register
 from flexevict.policies.base import RingPolicy
 
 STATE_BITS = 24         # fp32 holds every integer below 2**24 exactly
@@ -72,7 +50,7 @@ STATE_BITS = 24         # fp32 holds every integer below 2**24 exactly
 # ------------------------------------------------------------------------------ hashing
 
 def projection(bits: int, head_dim: int, seed: int, layer: int = 0) -> torch.Tensor:
-    """The Gaussian LSH matrix R (bits, head_dim) fp32 on CPU, fixed by (seed, layer)."""
+    """The Gaussian LSH matrix R (bits, head_dim) fp32 on CPU, fixed by the `seed` and the layer."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
     return torch.randn(bits, head_dim, generator=gen)
 
@@ -115,31 +93,35 @@ class HashEvict(RingPolicy):
         return max(capacity - (self.opts["recent"] + 1), 0)
 
     def describe(self) -> dict:
-        return {**super().describe(), "hash_storage": "state" if self.in_state else "buf.hash"}
+        return {**super().describe(), "hash_storage": "state" if self.in_state else "hash"}
+
+    def fields(self):
+        # each row's victim, chosen before attention and committed after it; the codes when
+        # they do not fit `buf.state`
+        victims = Field("victims", ("rows",), torch.int64)
+        if self.in_state:
+            return (victims,)
+        return (victims, Field("hash", ("slots", "rows", self.words), torch.int64))
 
     # ------------------------------------------------------------------ per-slot codes
     def _proj(self, buf: KVBuffer) -> torch.Tensor:
-        if getattr(buf, "hash_proj", None) is None:
-            r = projection(self.opts["hash_bits"], buf.k.shape[-1], self.opts["seed"],
-                           getattr(buf, "layer", 0))
-            buf.hash_proj = r.to(buf.k.device)      # once per buffer, at prefill: decode reuses it
-        return buf.hash_proj
+        """R for the buffer's layer on its device (a constant: made once, never moved)."""
+        o = self.opts
+        return buf.constant("hash_proj", lambda dev: projection(
+            o["hash_bits"], buf.head_dim, o["seed"], buf.layer).to(dev))
 
     def _put(self, buf: KVBuffer, index, codes: torch.Tensor) -> None:
         """Store codes (..., rows, words) at slot(s) `index`."""
         if self.in_state:
             buf.state[index] = codes[..., 0].to(torch.float32)
             return
-        if getattr(buf, "hash", None) is None:
-            buf.hash = torch.zeros(buf.capacity + 1, buf.k.shape[1], self.words,
-                                   dtype=torch.int64, device=buf.k.device)
-        buf.hash[index] = codes
+        buf.policy_state["hash"][index] = codes
 
     def _get(self, buf: KVBuffer, index) -> torch.Tensor:
         """Codes (..., rows, words) of slot(s) `index`."""
         if self.in_state:
             return buf.state[index].to(torch.int64).unsqueeze(-1)
-        return buf.hash[index]
+        return buf.policy_state["hash"][index]
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, buf, k, v, pos, valid, scores=None, q=None):
@@ -228,15 +210,15 @@ class HashEvict(RingPolicy):
             return
         hq = hash_codes(q, proj) if self.opts["hash_source"] == "query" else hk.unsqueeze(1)
         # empty first, else the farthest; ties: the oldest; valid sinks stay (one launch)
-        buf.hash_victims = kernels.hash_victims(buf, hq, self.opts["sinks"],
-                                                None if self.in_state else buf.hash)
+        codes = None if self.in_state else buf.policy_state["hash"]
+        buf.policy_state["victims"].copy_(kernels.hash_victims(buf, hq, self.opts["sinks"], codes))
 
-    def after_attention(self, buf, slot, probs):
+    def after_attention(self, buf, slot, probs, scored=False):
         if slot != buf.scratch:
             return buf.commit_appended(slot)
-        victims = buf.hash_victims
-        if not self.in_state:                       # mirror ring_commit's moves on buf.hash
-            h, rows = buf.hash, buf.rows_index
+        victims = buf.policy_state["victims"]
+        if not self.in_state:                       # mirror ring_commit's moves on the codes
+            h, rows = buf.policy_state["hash"], buf.rows_index
             h[victims, rows] = h[buf.cursor, rows]
             h[buf.cursor] = h[buf.scratch]
         kernels.ring_commit(buf, victims)

@@ -1,9 +1,10 @@
 """`local`: a sliding window of the most recent tokens only (H2O's "Local" baseline).
 
 The window holds `slots` tokens including the one being decoded: each full step the oldest
-leaves. H2O paper Sec. 5 and seed-h2o.md §1.4 (H = 0).
+leaves. The "Local" baseline of the H2O paper (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for
+Efficient Generative Inference of Large Language Models", Sec. 5): H2O with no heavy slots.
 """
-from flexevict.policies import register
+from flexevict.policies.registry import register
 from flexevict.policies.base import RingPolicy
 
 

@@ -1,59 +1,42 @@
 """`scissorhands`: Scissorhands (Liu et al. 2023, "Scissorhands: Exploiting the Persistence of
-Importance Hypothesis for LLM KV Cache Compression at Test Time", NeurIPS 2023, arXiv 2305.17118).
+Importance Hypothesis for LLM KV Cache Compression at Test Time", NeurIPS 2023, arXiv 2305.17118;
+Sec. 4, Algorithm 1 "budget KV cache for a single attention head" and Algorithm 2 "compress KV
+cache" - section pointers unchecked against a copy of the paper). Defaults as the VATP paper
+(Guo et al. 2024, "Attention Score is not All You Need for Token Importance Indicator in KV Cache
+Reduction: Value Also Matters", App. A) runs it: 10 recent tokens, a history window of 400.
 
-The paper is not in shared/papers and has no seed report. This follows its algorithm (Sec. 4,
-Algorithm 1 "budget KV cache for a single attention head" and Algorithm 2 "compress KV cache";
-section numbers from memory of the arXiv text, not checked against a copy here) as summarised in
-research/anchors.md §3, and the defaults the VATP paper (shared paper 004, App. A) attributes to
-it: "following Liu et al. (2023), the number of tokens selected by importance score is k - 10,
-with a local window size of 10 and a history window size of w = 400" (seed-vatp.md §2.4, §6.3).
+Rule: a token is *unimportant* for a query when its attention is below 1/n, n the tokens that
+query attends. Over the last `window` queries a counter records how often each cached token was
+unimportant; when the cache overflows, the token with the highest count goes, except the `recent`
+newest tokens, which always stay.
 
-The rule: the cache holds a fixed budget. A token is *unimportant* for a query when its attention
-is below the average, 1/n over the n tokens that query attends. Over a history window of the last
-`window` queries a counter records how often each cached token was unimportant; when the cache
-overflows, the token with the highest count is dropped, except the `recent` most recent tokens,
-which are never dropped.
+Decisions where the paper is silent:
+- A `RingPolicy`: the `recent` newest tokens (the one being decoded included) are the ring; the
+  other committed slots hold tokens kept by importance. Drop amount m = 1 per step (Algorithm 2's
+  m amortises cost; a fixed-slot buffer drops exactly one), so the cache always holds its budget.
+- GQA: a kv head's score sums its g query heads, so "unimportant" = sum < g / n_valid (n_valid
+  counts the valid tokens attended, the new one included); with g = 1 exactly attention < 1/n.
+- History window = the last `window` query steps, prompt queries included, exact (one bit per
+  step and slot, the declared field `hist` in `buf.policy_state`, moved with its token).
+- `buf.score` = importance `window - count` (higher = keep; the lowest goes, empty slots first,
+  ties: the oldest). `importance(buf, slots)` and `prefix_rank` are the subclass hooks;
+  `buf.state` is left free for a subclass (VATP: value norms).
+- `score=attention`: the VATP paper's reading (its Eq. 3): importance = attention summed over
+  the last `window` queries (`window=0`: over all queries, the VATP authors' code).
+- Prompt: the model folds the prompt attention with `prompt_scores` (the `fold` of
+  kernels.prefill_column_sums) into the last `window` prompt queries' statistic; when the prompt
+  does not fit, Algorithm 2 runs once: the last `recent` prompt tokens stay, the rest are ranked.
+- Policy state beyond score/state is declared by `fields()` (`kv.Field`: `hist`, `step`) and
+  lives in `buf.policy_state[...]`.
 
-Mapping onto the buffer (RingPolicy): the `recent` newest tokens (the one being decoded included)
-live in the ring; the other `slots - 1 - recent` committed slots hold tokens kept by importance.
-Each full step the token leaving the ring competes with them; the one with the highest count is
-dropped and its slot reused in place. Decisions:
-
-- Drop amount m = 1: Algorithm 2 drops m tokens per compression to amortise its cost; a
-  fixed-slot buffer drops exactly one per step, so the cache always holds its budget.
-- Threshold per (sequence, kv head): a kv head's score is the sum of its g query heads'
-  probabilities (DESIGN, GQA), so "unimportant" = sum < g / n_valid (the group's mean below the
-  uniform 1/n); n_valid counts the valid tokens attended, the new token included. With g = 1
-  (the paper's MHA models) this is exactly attention < 1/n.
-- History window = the last `window` query steps of the batch (prompt queries included; a pad
-  query step counts for nothing). A token younger than the window has only its own steps
-  counted. The window is exact: every slot keeps one bit per step of the window (a ring of
-  ceil(window/8) bytes per slot and row, `buf.sh_hist`, moved with its token), and the bit
-  leaving the window is subtracted from the counter.
-- Importance (higher = more important) per slot in `buf.score`: `window - count`, non-negative and
-  in the paper's order, so a subclass can scale it: `importance(buf, slots)` is what eviction
-  compares (the lowest goes, empty slots first, ties: the oldest; `victim_candidates` names
-  the candidates), `prompt_rank(...)` ranks the prompt. `buf.state` is left free for a
-  subclass (VATP: value norms).
-- `score=attention`: the VATP paper's reading of Scissorhands (its Eq. 3, the base VATP scales):
-  importance = the attention summed over the last `window` queries, exact in decode via a ring
-  of `window` fp32 rows per slot (heavy: 4 * window bytes per slot and row); `window=0` sums over
-  all queries (the VATP authors' code).
-- Prompt: when it does not fit, Algorithm 2 runs once after prefill: the last `recent` prompt
-  tokens are kept, the rest ranked by importance over the last `window` prompt queries.
-  `prompt_scores(acc, p, first, valid)` computes that statistic from the prefill probabilities
-  (count: the window's bits per key; attention: the window's sums), for an engine that lets a
-  policy fold the prompt attention (the `fold` of kernels.prefill_column_sums). The
-  current engine hands every policy the column sums over all prompt queries instead: then the
-  prompt is ranked by those and, in count mode, counting starts at the first decode step. In
-  attention mode the prompt's sum is spread evenly over its window steps (the per-query rows
-  are not kept), so it leaves the window linearly during the first `window` decode steps.
+Notes: policies/README.md#scissorhands
 """
 import torch
 
 from flexevict.errors import UserError
 
-from flexevict.policies import register
+from flexevict.policies.registry import register
+from flexevict.core.kv import Field
 from flexevict.policies.base import RingPolicy, kv_head_probs
 
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.uint8)
@@ -95,14 +78,24 @@ class Scissorhands(RingPolicy):
         # the lowest importance (buf.score) among the kept tokens and the oldest recent goes
         return buf.ring_start, True, None
 
-    def prompt_rank(self, base, k, v, pos, valid) -> torch.Tensor:
-        """(S, rows) rank of the prompt tokens for the kept set, from their base importance
-        (what `buf.score` stores); higher is kept. Default: the base importance itself."""
-        return base
+    def fields(self):
+        # the next query's step index, and when the run evicts the window's history per slot
+        # and row (count: one bit per query; attention: one fp32 per query; no window: none)
+        if not self.evicts:
+            return (Field("step", init=0),)
+        w = self.opts["window"]
+        hist = (Field("hist", ((w + 7) // 8, "slots", "rows"), torch.uint8) if self.counting
+                else Field("hist", (w, "slots", "rows"), torch.float32))
+        return (hist, Field("step", init=0))
+
+    def prefix_rank(self, scores, k, v, pos, valid):
+        # the prompt's base importance (what `buf.score` stores), computed by `prefill`
+        return scores
 
     # ------------------------------------------------------------------ prompt
     def prompt_scores(self, acc, p, first, valid):
-        """Fold one block of prefill attention into the prompt statistic (proposed engine hook).
+        """Fold one block of prefill attention into the prompt statistic (the model passes this as
+        the `fold` of kernels.prefill_column_sums).
 
         p (B, Hk, g, c, S) fp32 probabilities of prompt queries [first, first + c) (pad queries
         zeroed), valid (B, S). Only the last `window` queries count. -> count mode: (B, Hk, S,
@@ -130,28 +123,23 @@ class Scissorhands(RingPolicy):
         return packed if acc is None else acc | packed
 
     def prefill(self, buf, k, v, pos, valid, scores=None):
-        buf.sh_step = k.shape[0]                  # the next query's step index
+        buf.policy_state["step"] = k.shape[0]
         if not self.evicts:
             return super().prefill(buf, k, v, pos, valid)
-        self.hist(buf).zero_()
+        buf.policy_state["hist"].zero_()
         if scores is None:
             scores = torch.zeros(pos.shape, device=pos.device)
         w = self.opts["window"]
         bits = self.counting and scores.dim() == 3
         base = w - _popcount(scores) if bits else scores.float()
-        self._rank = self.prompt_rank(base, k, v, pos, valid)
         super().prefill(buf, k, v, pos, valid, base)
-        self._rank = None
         if self.counting and not bits:            # no per-query prompt history: count from now
             buf.score[:buf.capacity] = float(w)
         elif bits or w:
             self._seed_history(buf, scores, pos, valid)
 
-    def prefix_rank(self, scores, pos, valid):
-        return self._rank
-
     def _seed_history(self, buf, stat, pos, valid):
-        """Put the kept prompt tokens' window history into `buf.sh_hist`."""
+        """Put the kept prompt tokens' window history into the declared `hist`."""
         s, cap = pos.shape[0], buf.capacity
         # the prompt index of each kept slot, from its (per-row unique) position
         top = int(pos.max()) + 1                  # pads: a spare last row (a prefill-only read)
@@ -160,7 +148,7 @@ class Scissorhands(RingPolicy):
         where.scatter_(0, torch.where(valid, pos, top).long(), idx)
         src = where.gather(0, buf.pos[:cap].clamp(min=0).long())      # (cap, rows)
         kept = buf.valid[:cap]
-        hist = buf.sh_hist
+        hist = buf.policy_state["hist"]
         if self.counting:
             bits = stat.gather(0, src.unsqueeze(-1).expand(-1, -1, stat.shape[-1]))
             hist[:, :cap] = (bits * kept.unsqueeze(-1)).permute(2, 0, 1).to(torch.uint8)
@@ -171,20 +159,7 @@ class Scissorhands(RingPolicy):
             hist[steps, :cap] = share.unsqueeze(0).expand(len(steps), -1, -1)
 
     # ------------------------------------------------------------------ decode
-    def hist(self, buf) -> torch.Tensor:
-        """The per-slot window history, allocated once per buffer (count: bits; attention: fp32
-        rows; no window: empty)."""
-        if getattr(buf, "sh_hist", None) is None:
-            n, rows = buf.score.shape
-            w = self.opts["window"]
-            if self.counting:
-                buf.sh_hist = torch.zeros((w + 7) // 8, n, rows, dtype=torch.uint8,
-                                          device=buf.score.device)
-            else:
-                buf.sh_hist = torch.zeros(w, n, rows, dtype=torch.float32, device=buf.score.device)
-        return buf.sh_hist
-
-    def after_attention(self, buf, slot, probs):
+    def after_attention(self, buf, slot, probs, scored=False):
         if not self.evicts:
             return buf.commit_appended(slot)
         self.accumulate(buf, slot, probs)
@@ -192,14 +167,14 @@ class Scissorhands(RingPolicy):
             return buf.commit_appended(slot)
         cursor = buf.cursor                        # the commit advances it
         victims = self.commit(buf)
-        hist, rows = self.hist(buf), buf.rows_index
+        hist, rows = buf.policy_state["hist"], buf.rows_index
         hist[:, victims, rows] = hist[:, cursor, rows]               # as ring_commit moved them
         hist[:, cursor] = hist[:, buf.scratch]
 
-    def accumulate(self, buf, slot, probs):
+    def accumulate(self, buf, slot, probs, scored=False):
         n = probs.shape[-1]
-        hist, w, t = self.hist(buf), self.opts["window"], buf.sh_step
-        buf.sh_step = t + 1
+        hist, w, t = buf.policy_state["hist"], self.opts["window"], buf.policy_state["step"]
+        buf.policy_state["step"] = t + 1
         hist[:, slot] = 0                          # the new token has no history yet
         score = kv_head_probs(probs)               # (n, rows)
         if self.counting:

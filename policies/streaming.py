@@ -4,7 +4,7 @@ kept forever, plus a window of the most recent tokens.
 LLaMA keys are cached before RoPE and rotated by their rank inside the cache, the paper's
 "positions within the cache" (its Sec. 3.2), so positions never exceed the cache size.
 """
-from flexevict.policies import register
+from flexevict.policies.registry import register
 from flexevict.policies.base import RingPolicy
 
 

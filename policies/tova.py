@@ -1,42 +1,26 @@
-"""`tova`: Token Omission Via Attention (Oren, Hassid, Yarden, Adi, Schwartz 2024, "Transformers are
-Multi-State RNNs", EMNLP 2024, arXiv 2401.06104).
+"""`tova`: Token Omission Via Attention (Oren, Hassid, Yarden, Adi, Schwartz, "Transformers are
+Multi-State RNNs", EMNLP 2024, arXiv 2401.06104; Eq. 9 and Algorithm 1, head- vs layer-wise
+variants in App. A, Table 3 - section pointers unchecked against a copy of the paper).
 
-The paper is not in shared/papers and has no seed report: the rule below is the paper's policy
-(its Eq. 9 and Algorithm 1; head- vs layer-wise ablation in App. A, Table 3 - pointers taken from
-a secondary summary, not checked against a copy here) as the authors' code implements it
-(schwartz-lab-NLP/TOVA, src/tova_cache.py: `reduce` keeps `topk(cache_size)` of the last query's
-attention row averaged over heads, after the attention that used it).
+Rule: the decoder is a multi-state RNN whose states are the cached tokens; bounded to k states,
+once the cache is full each decode step drops the ONE state with the lowest attention from the
+CURRENT query. No recent window, no sinks: every cached token and the new token compete.
 
-The rule: a decoder is a multi-state RNN whose states are the cached tokens; bounding it to k
-states, once the cache is full each decode step drops the ONE state with the lowest attention
-score of the CURRENT query. There is no recent window and no sink: every cached token and the
-token being decoded compete.
+Decisions where the paper is silent (following the authors' code where it says more):
+- k = the committed slots (`slots - 1`); the new token attends from the scratch slot and, like
+  every committed slot, is a candidate (`commit="replace"`): a scratch victim drops the new token.
+- Eviction runs after the attention that scored it (as the authors' code does).
+- Score = this step's probability, per kv head summed over its query heads (GQA; same argmin as
+  the authors' mean). `heads=kv` (default) decides per (sequence, kv head), the paper's
+  "TOVA-head"; `heads=layer` sums the scores over the `buf.kv_heads` kv heads of each sequence,
+  so all of them drop the same token (the paper's "TOVA-layer").
+- Ties: the oldest token goes; empty/pad slots are taken first.
+- Prefill: the model folds the prompt attention with `prompt_scores` (the `fold` of
+  kernels.prefill_column_sums), giving the LAST prompt query's attention; the top-k prompt tokens
+  by it are kept (ties: the newest kept), in position order.
+- `buf.score` holds the current step's score only (TOVA keeps no memory across steps).
 
-Here k = the committed slots (`slots - 1`): attention each step reads k cached tokens plus the
-new token in the scratch slot (k + 1 states, as in the authors' cache, which is reduced back to
-`cache_size` after the attention that used it). Decisions:
-
-- Candidates = every committed slot + the scratch slot, committed with `buf.replace`: a victim
-  equal to the scratch slot drops the new token (it was attended once, then omitted), which is
-  TOVA's rule. A ring of one (RingPolicy) would protect the new token for a step: not TOVA.
-- The evicted token took part in this step's attention and disappears from the next one (the
-  authors evict after the attention that scored it).
-- Score of a slot = the current step's probability, per kv head the SUM over the query heads
-  sharing it (GQA; a sum and the authors' mean have the same argmin). `heads=kv` (default)
-  evicts per (sequence, kv head), the project's contract granularity and the paper's "TOVA-head".
-  `heads=layer` sums over all heads of a layer, so every head of a sequence drops the same
-  token: the paper's main variant ("TOVA-layer", App. A / Table 3 report it better than per
-  head). It needs the engine to tell a buffer its kv-head count (`buf.kv_heads`); the current
-  engine does not, so `heads=layer` raises a UserError until it does.
-- Ties: the oldest token goes (`lowest`); empty/pad slots are always taken first.
-- Prefill: the authors reduce the prompt once, keeping the top-k prompt tokens by the LAST prompt
-  query's attention. `prompt_scores` computes exactly that statistic from the prefill's
-  probabilities, for an engine that lets a policy fold the prompt attention itself (a proposed
-  hook); the current engine hands every policy the column sums over all prompt queries (H2O's
-  statistic), and then the prompt cut ranks by those. Either way prefill keeps the top-k prompt
-  tokens by the score it gets (ties: newest kept), in position order.
-- Per-slot state: `buf.score` holds the score of the current step (informative; TOVA keeps no
-  memory across steps).
+Notes: policies/README.md#tova
 """
 import torch
 
@@ -44,7 +28,7 @@ from flexevict.core import kernels
 from flexevict.errors import UserError
 from flexevict.core.kv import gather_prompt, left_aligned
 
-from flexevict.policies import register
+from flexevict.policies.registry import register
 from flexevict.policies.base import Policy, kv_head_probs
 
 
@@ -63,7 +47,8 @@ class TOVA(Policy):
 
     # ------------------------------------------------------------------ scores
     def prompt_scores(self, acc, p, first, valid):
-        """Fold one block of prefill attention into the prompt statistic (proposed engine hook).
+        """Fold one block of prefill attention into the prompt statistic (the model passes this as
+        the `fold` of kernels.prefill_column_sums).
 
         p (B, Hk, g, c, S) fp32 probabilities of prompt queries [first, first + c) (pad queries
         zeroed), valid (B, S) -> (B, Hk, S): the last prompt query's attention (under left
@@ -100,7 +85,7 @@ class TOVA(Policy):
         keep = by_age.gather(0, by_rank[:buf.capacity]).sort(dim=0).values
         buf.store_prompt(k, v, pos, valid, scores, keep=keep)   # pads picked stay invalid
 
-    def after_attention(self, buf, slot, probs):
+    def after_attention(self, buf, slot, probs, scored=False):
         if not self.evicts:
             return buf.commit_appended(slot)
         n = probs.shape[-1]

@@ -1,49 +1,34 @@
-"""`vatp` and `vatp-pin`: Value-Aware Token Pruning (Guo, Kamigaito, Watanabe 2024, paper 004).
+"""`vatp` and `vatp-pin`: Value-Aware Token Pruning (Guo, Kamigaito, Watanabe 2024, "Attention
+Score is not All You Need for Token Importance Indicator in KV Cache Reduction: Value Also
+Matters"; Sec. 3.2, Eq. 4, App. A and B).
 
-VATP (paper Sec. 3.2, Eq. 4) ranks a token by its attention-based score times the l1 norm of its
-value vector, `I_k = S_k * ||v_k||_1`, per (sequence, kv-head), and always keeps the first F
-tokens ("Attention Sink Tokens", Sec. 3.2; App. A: F = 20 for LLaMA2-7B-chat, 40 for the 8K
-Vicuna). Everything else is the base policy's (App. A: "the only differences are the token
-importance score and intentionally keeping attention sink tokens"):
+Rule: a token's importance is its base policy's attention score times the l1 norm of its value
+vector, `I_k = S_k * ||v_k||_1`, per (sequence, kv head), and the first F tokens (the "attention
+sink tokens", F = 20 by default, App. A) are always kept. Everything else is the base policy's
+(App. A):
+- `base=h2o` (default, "H2O w/ VATP"): S_k = H2O's accumulated attention (Eq. 2) in `buf.score`;
+  the product is formed where a decision is made (`prefix_rank`, `victim_candidates`). As ||v_k||
+  is fixed once the token exists, this equals the paper's incremental `I += a * ||v||`.
+- `base=scissorhands` ("Scissorhands w/ VATP", Eq. 3): the same rule over this package's
+  `scissorhands` with the VATP paper's settings (App. A): `score=attention`, `window=400`,
+  `recent=10` (its other options pass through). The prompt is ranked by the attention of the
+  last `window` prompt queries (that policy's `prompt_scores` fold).
 
-- `base=h2o` (default, "H2O w/ VATP"): S_k is H2O's accumulated attention (Eq. 2), half the
-  committed slots heavy and half recent (App. A), exactly `h2o` of this package. `buf.score`
-  keeps S_k (prompt column sums, then every decode step's probabilities); the importance
-  S_k * ||v_k||_1 is formed only where a decision is made - the prefill selection
-  (`prefix_rank`) and each full step's victim (`victim_candidates`). Since ||v_k|| is fixed once the
-  token exists, this equals the paper's incremental `I += a * ||v||` (seed-vatp.md §2.2).
-- `base=scissorhands` ("Scissorhands w/ VATP", Eq. 3): the same rule over the `scissorhands`
-  policy of this package, imported lazily (`_scissorhands_variant`), with the VATP paper's
-  settings as defaults (App. A): 10 recent tokens, the rest selected by the attention summed
-  over a history window of w = 400 queries (`score=attention`, `window=400`, `recent=10`; its
-  other options pass through). That policy's prompt ranking is its own (today: column sums over
-  all prompt queries, spread over the window; see its docstring for the proposed hook that gives
-  the last-w-queries statistic of Eq. 3).
+`vatp-pin` is the control the paper lacks: the same base policy and first-F pinning without the
+value norm (`vatp` with `norm=none`).
 
-`vatp-pin` is the control the paper lacks (seed-vatp.md §6.2, §7.6): the same base policy with the
-same first-F pinning, without the value norm. It is `vatp` with `norm=none`; the two differ only
-in the value weight (tests/test_policy_vatp.py checks that).
+Decisions where the paper is silent:
+- Sinks count inside the budget (as in the authors' code) and are capped at the heavy (prefix)
+  slots; "first F" counts each row's real tokens, pads are never sinks.
+- The norm is taken from the cached V of each slot (`buf.v`, bias included, no RoPE), in fp32,
+  recomputed for the candidate slots only; nothing is cached.
+- Norm: l1 (Sec. 3.2); `norm=l2|linf` give the App. B ablation.
+- GQA: S_k sums the query heads sharing a kv head (the mean's ranking).
+- Budget: the package's `--budget`; the paper's 50% of the prompt is `--budget-tokens` = P/2 + 1.
+- No layer is exempt (as in the paper and the authors' code); an `exempt_layers` ablation is not
+  offered.
 
-Decisions (seed-vatp.md §6), where the paper is silent:
-- Sinks are inside the budget (§6.1, as in the authors' code): the first F tokens occupy heavy
-  (prefix) slots and are never a victim. "First F" counts each row's real tokens (absolute
-  positions, which count real tokens only; pads are never sinks, §6.9). F is capped at the
-  heavy slots (§6.1): a budget with fewer heavy slots than F pins the first `prefix` tokens and
-  selects nothing by score (the run's `describe()` prints `pinned` and `heavy`).
-- The value norm is taken from the cached V of each slot (`buf.v`, the per-head value
-  projection output with its bias; values carry no RoPE), in fp32, recomputed on the fly for the
-  candidate slots only (prefix + the token leaving the window: about capacity/2 rows of V per
-  decision, the same order as the attention that just read all of V). Nothing is cached in
-  `buf.state`, so the base policy keeps that scratchpad (Scissorhands may need it) and no norm
-  can go stale when a slot is overwritten or moved.
-- Norm: l1 (Sec. 3.2 / App. B); `norm=l2|linf` give the App. B ablation, `norm=none` the
-  `vatp-pin` control.
-- GQA (beyond the paper, Limitations; §6.10): S_k is the sum over the query heads sharing a kv
-  head (the package's contract); the sum is g times the mean, so rankings equal the mean's.
-- Budget: the package's `--budget` contract (a fraction of prompt + generation); the paper's
-  setting is 50% of the prompt, i.e. `--budget-tokens` = P/2 + 1 (+1 = the scratch slot).
-- No layers are exempt (paper and code; seed §6.5). The policy cannot know the layer index, so
-  the seed's optional `exempt_layers` ablation is not offered.
+Notes: policies/README.md#vatp
 """
 from __future__ import annotations
 
@@ -53,8 +38,10 @@ from flexevict.errors import UserError
 
 from flexevict.core.kernels import candidate_slots
 
-from flexevict.policies import register
+from flexevict.policies.registry import register
+from flexevict.policies.base import Policy
 from flexevict.policies.h2o import H2O
+from flexevict.policies.scissorhands import Scissorhands
 
 NORMS = ("l1", "l2", "linf", "none")
 BASES = ("h2o", "scissorhands")
@@ -73,17 +60,15 @@ def value_norm(v: torch.Tensor, kind: str) -> torch.Tensor | None:
 
 
 class ValueAware:
-    """The VATP rule, mixed over a base policy whose `buf.score` is S_k (higher = keep)."""
+    """The VATP rule over a ring base policy whose `buf.score` is S_k (higher = keep): it
+    replaces the base's prompt ranking (`prefix_rank`) and victim values
+    (`victim_candidates`); everything else is the base's."""
     fixed_norm = None                           # vatp-pin: "none" (no --policy-arg norm)
 
     def __init__(self, budget=None, budget_tokens=None, **args):
         super().__init__(budget, budget_tokens, **args)
         self.opts["base"] = str(self.opts["base"]).lower()
         self.opts["norm"] = self.fixed_norm or str(self.opts["norm"]).lower()
-        self._check()
-        self._prompt_v = None
-
-    def _check(self) -> None:
         if self.opts["base"] not in BASES:
             raise UserError(f"--policy-arg base={self.opts['base']}: expected one of "
                             f"{', '.join(BASES)}")
@@ -97,7 +82,7 @@ class ValueAware:
         return min(1, self.opts["sinks"])       # room for at least the first token
 
     def pinned_count(self) -> int:
-        """F, capped at the heavy (prefix) slots (seed-vatp.md §6.1)."""
+        """F, capped at the heavy (prefix) slots (see the module docstring)."""
         return min(self.opts["sinks"], self.prefix)
 
     def describe(self) -> dict:
@@ -109,30 +94,19 @@ class ValueAware:
         return value_norm(v, self.opts["norm"])
 
     def value_aware(self, score, v, pos, valid) -> torch.Tensor:
-        """I = S * ||v|| (Eq. 4); the first F real tokens get +inf (never evicted)."""
+        """I = S * ||v|| (Eq. 4); the first F real tokens get +inf (never evicted).
+        score, pos, valid (n, rows); v (n, rows, d)."""
         w = self.value_weight(v)
         imp = score if w is None else score * w
         sink = valid & (pos < self.pinned_count())
         return torch.where(sink, float("inf"), imp)
 
-    # ----------------------------------------------------------------- prefill
-    def prefill(self, buf, k, v, pos, valid, scores=None):
-        self._prompt_v = v                      # read by prefix_rank during this call only
-        try:
-            super().prefill(buf, k, v, pos, valid, scores)
-        finally:
-            self._prompt_v = None
+    def prefix_rank(self, scores, k, v, pos, valid):
+        return self.value_aware(super().prefix_rank(scores, k, v, pos, valid), v, pos, valid)
 
-    def prefix_rank(self, scores, pos, valid):
-        return self.value_aware(super().prefix_rank(scores, pos, valid), self._prompt_v,
-                                pos, valid)
-
-    # ----------------------------------------------------------------- decode
     def base_score(self, buf, slots) -> torch.Tensor:
-        """The base policy's S_k of `slots` (n, rows), >= 0, higher = keep: its
-        `importance(buf, slots)` hook if it has one (scissorhands), else `buf.score` (h2o)."""
-        hook = getattr(super(), "importance", None)
-        return hook(buf, slots) if hook is not None else buf.score[slots]
+        """The base policy's S_k of `slots` (n, rows), >= 0, higher = keep."""
+        return buf.score[slots]
 
     def victim_candidates(self, buf):
         slots = candidate_slots(buf, buf.ring_start, True)
@@ -141,50 +115,44 @@ class ValueAware:
         return buf.ring_start, True, imp
 
 
+class VATPOverScissorhands(ValueAware, Scissorhands):
+    """`vatp` with base=scissorhands. The defaults follow the VATP paper's Scissorhands (App. A,
+    Eq. 3): 10 recent tokens, the rest selected by the attention summed over a history window
+    of 400 queries (`score=attention`; the Scissorhands paper's low-attention counter stays
+    available as `score=count`)."""
+    name = "vatp"
+    args = {**Scissorhands.args, "score": "attention", "base": "h2o", "sinks": 20, "norm": "l1"}
+
+    def base_score(self, buf, slots):
+        return self.importance(buf, slots)
+
+
 @register
 class VATP(ValueAware, H2O):
     name = "vatp"
     args = {"base": "h2o", "sinks": 20, "norm": "l1"}
+    over_scissorhands = VATPOverScissorhands
 
-    def __new__(cls, budget=None, budget_tokens=None, **args):
-        if str(args.get("base", cls.args["base"])).lower() != "scissorhands":
-            return super().__new__(cls)
-        # not an instance of cls, so Python does not call __init__ again
-        policy = object.__new__(_scissorhands_variant(cls))
-        policy.__init__(budget, budget_tokens, **args)
-        return policy
+    @classmethod
+    def create(cls, budget=None, budget_tokens=None, **args) -> Policy:
+        """The rule over the base policy named by `base`."""
+        if str(args.get("base", cls.args["base"])).lower() == "scissorhands":
+            return cls.over_scissorhands(budget, budget_tokens, **args)
+        return cls(budget, budget_tokens, **args)
+
+
+class VATPPinOverScissorhands(VATPOverScissorhands):
+    """`vatp-pin` with base=scissorhands."""
+    name = "vatp-pin"
+    args = {k: v for k, v in VATPOverScissorhands.args.items() if k != "norm"}
+    fixed_norm = "none"
 
 
 @register
 class VATPPin(VATP):
-    """The ablation: first-F pinning over the base policy, no value norm (seed-vatp.md §6.2)."""
+    """The ablation: first-F pinning over the base policy, no value norm (the control the
+    paper lacks)."""
     name = "vatp-pin"
     args = {"base": "h2o", "sinks": 20}
     fixed_norm = "none"
-
-
-_VARIANTS: dict = {}
-
-
-def _scissorhands_variant(cls):
-    """`cls`'s rule (vatp or vatp-pin) over the `scissorhands` policy, built on first use.
-
-    Uses from `policies/scissorhands.py` (a RingPolicy): `prefix_rank` (the prompt selection,
-    scaled here) and `importance(buf, slots)` (its non-negative per-slot score, higher = keep,
-    scaled in the value-aware `victim_candidates` that replaces its own). The defaults follow the
-    VATP paper's Scissorhands (App. A, Eq. 3): 10 recent tokens, the rest selected by the
-    attention summed over a history window of 400 queries (`score=attention`; the
-    Scissorhands paper's low-attention counter stays available as `score=count`).
-    """
-    if cls in _VARIANTS:
-        return _VARIANTS[cls]
-    try:
-        from flexevict.policies.scissorhands import Scissorhands
-    except ImportError as e:
-        raise UserError(f"policy '{cls.name}' with base=scissorhands needs the 'scissorhands' "
-                        f"policy, which is not available ({e})") from None
-    variant = type(f"{cls.__name__}Scissorhands", (ValueAware, Scissorhands),
-                   {"name": cls.name, "fixed_norm": cls.fixed_norm, "__module__": __name__,
-                    "args": {**Scissorhands.args, "score": "attention", **cls.args}})
-    _VARIANTS[cls] = variant
-    return variant
+    over_scissorhands = VATPPinOverScissorhands

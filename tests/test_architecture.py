@@ -3,7 +3,8 @@
 Importing every module in a fresh interpreter in each order is not enough (a function-local
 import hides a cycle until the function runs), so this reads the graph from the source: every
 import statement, at module level or inside a function, and the parent packages that importing
-a submodule runs first (`import flexevict.core.kernels.quant` executes `flexevict/core/kernels/__init__.py`).
+a submodule runs first (`import flexevict.core.kernels.quant` executes
+`flexevict/core/kernels/__init__.py`).
 """
 import ast
 import os
@@ -98,14 +99,15 @@ def test_the_cycle_finder_finds_cycles():
 
 @pytest.mark.parametrize("source,expected", [
     ("from . import engine", {"flexevict.runtime.engine"}),
-    ("def f():\n    from .kernels.quant import Packed4bit", {"flexevict.core.kernels",
-                                                           "flexevict.core.kernels.quant"}),
-    ("from . import register", {"flexevict"}),              # a name from the parent package
+    ("def f():\n    from ..core.kernels.quant import Packed4bit", {
+        "flexevict.core", "flexevict.core.kernels", "flexevict.core.kernels.quant"}),
+    ("from . import register", {"flexevict.runtime"}),      # a name from the parent package
     ("import flexevict.runtime.engine as E", {"flexevict.runtime.engine"}),
 ])
 def test_function_local_and_parent_imports_count(tmp_path, source, expected):
     path = tmp_path / "m.py"
     path.write_text(source)
-    known = {"flexevict": "", "flexevict.runtime.engine": "", "flexevict.core.kernels": "",
-             "flexevict.core.kernels.quant": "", "flexevict.m": str(path)}
-    assert imported("flexevict.m", str(path), known) == expected
+    known = {"flexevict": "", "flexevict.runtime": "", "flexevict.runtime.engine": "",
+             "flexevict.core": "", "flexevict.core.kernels": "", "flexevict.core.kernels.quant": "",
+             "flexevict.runtime.m": str(path)}
+    assert imported("flexevict.runtime.m", str(path), known) == expected

@@ -131,26 +131,26 @@ def _git_head() -> str:
 
 
 def test_run_metadata_without_git_on_path(tmp_path, monkeypatch):
-    from flexevict.bench import report
+    from flexevict.runtime import machine
     expected = _git_head()
     monkeypatch.setenv("PATH", str(tmp_path))                 # an empty folder: no git
-    report.git_commit.cache_clear()
+    machine.git_commit.cache_clear()
     try:
-        meta = report.run_metadata("cpu")
+        meta = machine.run_metadata("cpu")
     finally:
-        report.git_commit.cache_clear()
+        machine.git_commit.cache_clear()
     assert meta["commit"] == expected and len(expected) == 40
 
 
 def test_commit_is_read_once_per_process(monkeypatch):
-    from flexevict.bench import report
+    from flexevict.runtime import machine
     reads = []
-    monkeypatch.setattr(report, "commit_from_tree", lambda start: reads.append(start) or "a" * 40)
-    report.git_commit.cache_clear()
+    monkeypatch.setattr(machine, "commit_from_tree", lambda start: reads.append(start) or "a" * 40)
+    machine.git_commit.cache_clear()
     try:
-        assert [report.run_metadata()["commit"] for _ in range(3)] == ["a" * 40] * 3
+        assert [machine.run_metadata()["commit"] for _ in range(3)] == ["a" * 40] * 3
     finally:
-        report.git_commit.cache_clear()
+        machine.git_commit.cache_clear()
     assert len(reads) == 1
 
 
@@ -168,7 +168,7 @@ def test_bench_runs_without_git_on_path(tmp_path):
 
 def test_commit_from_a_tree_without_git(tmp_path):
     """Loose refs, packed refs, a detached HEAD, a worktree's .git file, and no repository."""
-    from flexevict.bench.report import commit_from_tree
+    from flexevict.runtime.machine import commit_from_tree
     sha1, sha2, sha3 = "1" * 40, "2" * 40, "3" * 40
     git = tmp_path / "repo" / ".git"
     (git / "refs" / "heads").mkdir(parents=True)
@@ -207,6 +207,35 @@ def test_kernel_benchmark_runs_on_cpu(tmp_path):
         assert row["kernel_ms"] is None and row["reference_ms"] > 0
         assert row["reference_host_us"] > 0 and row["launches"] >= 1
     assert r["run"]["commit"]
+
+
+def test_kernel_benchmark_switches_paths_by_api_not_environment(monkeypatch):
+    """Both paths of an op are timed through ext.use_kernels: FLEXEVICT_KERNELS (seen by every
+    thread and child process) is never written, and the switch is restored after."""
+    import torch
+    from flexevict.bench.kernels import Op, both_paths
+    from flexevict.core.kernels import ext
+    monkeypatch.delenv("FLEXEVICT_KERNELS", raising=False)
+    seen = []
+    op = Op("probe", lambda i: seen.append((ext.enabled(), os.environ.get("FLEXEVICT_KERNELS"))))
+    both_paths(op, torch.device("cpu"), launches=1, loops=2, with_kernels=True)
+    n = len(seen) // 2
+    assert seen == [(True, None)] * n + [(False, None)] * n
+    assert ext.enabled() and "FLEXEVICT_KERNELS" not in os.environ
+
+
+def test_use_kernels_overrides_the_variable_and_restores(monkeypatch):
+    from flexevict.core.kernels import ext
+    monkeypatch.setenv("FLEXEVICT_KERNELS", "0")
+    assert not ext.enabled()
+    with ext.use_kernels(True):
+        assert ext.enabled()
+        with ext.use_kernels(False):
+            assert not ext.enabled() and ext.backend("cuda") == ext.REFERENCE
+        assert ext.enabled()
+    assert not ext.enabled()
+    monkeypatch.delenv("FLEXEVICT_KERNELS")
+    assert ext.enabled()
 
 
 def test_timed_loops_launch_back_to_back_with_setup_outside():

@@ -164,3 +164,41 @@ def test_convert_round_trip(tmp_path, tiny_dir):
         for key in wa:
             if wa[key] is not None:
                 assert torch.equal(wa[key], wb[key]), key
+
+
+# ------------------------------------------------------------------------------ CLI layer
+
+CLI_MODULES = {"flexevict.cli", "flexevict.plan", "flexevict.calibrate", "flexevict.eval",
+               "flexevict.generate", "flexevict.convert"}
+
+
+def _is_cli(module: str) -> bool:
+    return module in CLI_MODULES or module == "flexevict.bench" or \
+        module.startswith("flexevict.bench.")
+
+
+def test_library_modules_import_no_command_line_module():
+    """The command lines sit on top of the library: no library module imports one of them, at
+    module level or in a function (the cost model once needed calibrate.py, and the search
+    lived in plan.py, which cli.py and the benchmark imported, a cycle)."""
+    import test_architecture as A
+    known = A.modules()
+    wrong = {m: sorted(d for d in A.imported(m, p, known) if _is_cli(d))
+             for m, p in known.items() if m not in A.EXTENSIONS and not _is_cli(m)}
+    assert {m: d for m, d in wrong.items() if d} == {}
+
+
+def test_plan_and_calibrate_help_describe_the_library():
+    """--help keeps describing the search and the measurements, which moved to
+    flexevict.runtime.search and flexevict.runtime.calibration."""
+    plan = run("plan", "--help")
+    assert plan.returncode == 0 and "The search is exact over a discrete space" in plan.stdout
+    cal = run("calibrate", "--help")
+    assert cal.returncode == 0 and "What is measured (each the best of a few" in cal.stdout
+    assert "flexevict.runtime.calibration." not in cal.stdout
+
+
+def test_plan_checks_the_policy_flags():
+    proc = run("plan", "--model", "opt-125m", "--device", "cpu", "--percent", "auto",
+               "--policy", "h2o", "--budget", "0.2", "--budget-tokens", "8")
+    assert_user_error(proc, "--budget or --budget-tokens")

@@ -6,7 +6,12 @@ arguments with one-line errors. The commands are `flexevict.core.kernels.build`'
 GPU machine without ninja builds with, here with warnings as errors. nvcc is looked up on PATH,
 CUDA_HOME and /usr/local/cuda; without it the nvcc tests skip and say so."""
 import importlib.util
+import os
+import pathlib
+import re
+import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -89,3 +94,109 @@ def test_extension_links_imports_and_rejects_bad_arguments(built):
             call()
         message = str(info.value)
         assert expected in message and "\n" not in message.strip(), message
+    # every limit the header defines, exported under its name (Python reads nothing else)
+    assert ext.limits() == header_limits()
+    for g, d in ((1, 64), (8, 128), (32, 256)):     # the launcher's own shared memory count
+        assert ext.decode_attention_shared_bytes(g, d) == ((g + 4) * d + 2 * g + 32) * 4
+
+
+def header_limits() -> dict:
+    """The FE_* limits #defined in cuda/flexevict_kernels.h, evaluated -> {lowercase name
+    without FE_: value}."""
+    defined = {}
+    text = (build.SOURCE_DIR / "flexevict_kernels.h").read_text()
+    for name, rest in re.findall(r"^#define FE_([A-Z_]+) (.*)$", text, re.M):
+        if not name.startswith("STR"):
+            expr = rest.split("//")[0]                                 # less the comment
+            expr = re.sub(r"FE_([A-Z_]+)", lambda m: str(defined[m.group(1).lower()]), expr)
+            defined[name.lower()] = eval(expr.replace("/", "//"))      # integer arithmetic
+    return defined
+
+
+def test_header_limits_are_the_ones_the_kernels_were_written_for():
+    """The parse above reads what the header says (no nvcc needed)."""
+    limits = header_limits()
+    assert limits["decode_max_dim"] == 256 and limits["shared_bytes"] == 48 * 1024
+    assert limits["lsh_max_dim"] == 48 * 1024 // 4 and len(limits) == 11
+
+
+class _FakeExtension:
+    """A stand-in for the compiled module with small limits: records which ops it was asked to
+    run (each then raises, so a test sees the dispatch, not a result)."""
+
+    def __init__(self, **limits):
+        self.table = {**header_limits(), **limits}
+        self.called = []
+
+    def limits(self):
+        return dict(self.table)
+
+    def decode_attention_shared_bytes(self, group, dim):
+        return ((group + 4) * dim + 2 * group + 32) * 4
+
+    def __getattr__(self, op):
+        def launch(*args):
+            self.called.append(op)
+            raise RuntimeError(f"fake {op}")
+        return launch
+
+
+@pytest.mark.parametrize("limits,kernel", [({}, True), ({"decode_max_dim": 8}, False),
+                                           ({"shared_bytes": 512}, False)])
+def test_decode_attention_takes_its_limits_from_the_module(monkeypatch, limits, kernel):
+    from flexevict.core import kernels
+    from flexevict.core.kernels import ext
+    fake = _FakeExtension(**limits)
+    monkeypatch.setattr(ext, "module_for", lambda t: fake)
+    monkeypatch.setattr(ext, "stream", lambda t: 0)
+    q, k = torch.randn(2, 4, 16), torch.randn(5, 2, 16)
+    valid = torch.ones(5, 2, dtype=torch.bool)
+    if kernel:
+        with pytest.raises(RuntimeError, match="fake decode_attention"):
+            kernels.decode_attention(q, k, k, valid, 0.25)
+    else:                                  # over the module's limit: the reference answers
+        out, probs = kernels.decode_attention(q, k, k, valid, 0.25)
+        assert out.shape == (2, 4, 16) and fake.called == []
+
+
+@pytest.mark.parametrize("limits,kernel", [({}, True), ({"lsh_max_bits": 32}, False),
+                                           ({"lsh_max_dim": 8}, False)])
+def test_hash_codes_takes_its_limits_from_the_module(monkeypatch, limits, kernel):
+    from flexevict.core import kernels
+    from flexevict.core.kernels import ext
+    fake = _FakeExtension(**limits)
+    monkeypatch.setattr(ext, "module_for", lambda t: fake)
+    monkeypatch.setattr(ext, "stream", lambda t: 0)
+    x, proj = torch.randn(3, 16), torch.randn(64, 16)
+    if kernel:
+        with pytest.raises(RuntimeError, match="fake lsh_hash"):
+            kernels.hash_codes(x, proj)
+    else:
+        assert kernels.hash_codes(x, proj).shape == (3, 2) and fake.called == []
+
+
+def test_an_installed_package_finds_its_cuda_sources(tmp_path):
+    """A non-editable install (no checkout next to it) carries cuda/ as the package data of
+    flexevict.cuda_sources, and the just-in-time build finds every source there."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"                     # a copy: pip builds in-tree (build/, egg-info)
+    for name in ("flexevict", "policies", "cuda"):
+        shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root / "setup.py", src)
+    site = tmp_path / "site"
+    env = dict(os.environ, FLEXEVICT_KERNELS="0")         # never compile the extension here
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                           "--no-build-isolation", "--target", str(site), str(src)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    shutil.rmtree(src)                         # nothing of the tree is left to fall back on
+    probe = ("from flexevict.core.kernels import build; print(build.SOURCE_DIR); "
+             "print(*[f.name for f in build.sources() if f.is_file()])")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(site)), timeout=120)
+    assert done.returncode == 0, done.stderr
+    folder, names = done.stdout.splitlines()
+    assert folder == str(site / "flexevict" / "cuda_sources")
+    assert names.split() == UNITS + ["binding.cpp"]
+    for header in ("common.cuh", "flexevict_kernels.h"):        # what the units include
+        assert (site / "flexevict" / "cuda_sources" / header).is_file()

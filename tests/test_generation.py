@@ -206,9 +206,9 @@ def test_dummy_attention_not_uniform(key):
     probs = []
 
     class Capture(Full):
-        def after_attention(self, buf, slot, p):
+        def after_attention(self, buf, slot, p, scored=False):
             probs.append(p.clone())
-            super().after_attention(buf, slot, p)
+            super().after_attention(buf, slot, p, scored)
 
     generate(model, rand_prompts([40], seed=11), 4, Capture(), Sampling(), (), 0)
     assert len(probs) == 3 * model.config.num_layers

@@ -13,14 +13,15 @@ from tiny import CONFIGS, model_for, rand_prompts
 
 import flexevict.runtime.engine as engine_mod
 import flexevict.runtime.offload as offload
-from flexevict.runtime.engine import Engine, TimedPolicy, _like
+from flexevict.runtime.engine import Engine, EvictionClock, _like
 from flexevict.runtime.generation import generate
 from flexevict.core.kernels.quant import Packed4bit
-from flexevict.core.kv import KVBuffer, load_into, store_into
+from flexevict.core.kv import KVBuffer
+from flexevict.runtime.offload import load_into, store_into
 from flexevict.runtime.memory import MemoryPlan
 from flexevict.runtime.offload import Lane, Tiers, host_bytes, park_bytes, pinned_size
 from flexevict.runtime.placement import Placement
-from flexevict.policies import get_policy
+from flexevict.policies import POLICIES, get_policy
 from flexevict.io.weights import DummyWeights
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: real streams, "
@@ -29,8 +30,10 @@ META = torch.device("meta")       # a compute device no home tier is on
 
 
 def owned_tensors(buf: KVBuffer):
-    """(name, tensor) for every tensor the buffer owns: fields, policy state, 4-bit parts."""
-    for name, value in vars(buf).items():
+    """(name, tensor) for every tensor the buffer owns: fields, declared policy state, 4-bit
+    parts (not the shared constants: they live where they are used)."""
+    owned = {**vars(buf), **{f"policy_state.{n}": v for n, v in buf.policy_state.items()}}
+    for name, value in owned.items():
         if isinstance(value, torch.Tensor):
             yield name, value
         elif isinstance(value, Packed4bit):
@@ -80,23 +83,25 @@ def _decode(policy, buf, position, g):
     policy.after_attention(buf, slot, probs)
 
 
-def _cpu_home(capacity, rows, d):
+def _cpu_home(capacity, rows, d, fields=()):
     """A home as the engine makes it on a GPU run: compute device passed, CPU memory given."""
     cpu = lambda shape, dtype, device: torch.zeros(shape, dtype=dtype)  # noqa: E731
-    return KVBuffer(capacity, rows, d, torch.float32, META, alloc=cpu)
+    return KVBuffer(capacity, rows, d, torch.float32, META, alloc=cpu, fields=fields)
 
 
-@pytest.mark.parametrize("name", ["h2o", "scissorhands", "cascade"])
+@pytest.mark.parametrize("name", sorted(n for n in POLICIES if n != "full"))
 def test_evicting_policy_round_trips_through_a_cpu_home(name):
-    """Prefill and decode steps (with evictions) on a working buffer, stored into and loaded
-    back from a home that lives on another device than the one the engine asked for: the home
-    holds exactly the state of a buffer that never moved, and stays on its device."""
+    """Every registered policy: prefill and decode steps (with evictions) on a working buffer,
+    stored into and loaded back from a home that lives on another device than the one the
+    engine asked for: the home holds exactly the state of a buffer that never moved (its
+    declared policy state included), and stays on its device."""
     rows, d, prompt, steps = 3, 4, 24, 10
-    ref_policy, policy = (get_policy(name, budget_tokens=14) for _ in range(2))
+    ref_policy, policy = (get_policy(name, budget_tokens=18) for _ in range(2))
     cap = ref_policy.capacity(prompt, steps)
     policy.capacity(prompt, steps)
-    ref = KVBuffer(cap, rows, d, torch.float32, "cpu")
-    home = _cpu_home(cap, rows, d)
+    assert ref_policy.evicts
+    ref = KVBuffer(cap, rows, d, torch.float32, "cpu", fields=ref_policy.fields())
+    home = _cpu_home(cap, rows, d, policy.fields())
     work = _like(home, "cpu")
     ref_policy.prefill(ref, *_prompt(prompt, rows, d, 0))
     policy.prefill(work, *_prompt(prompt, rows, d, 0))
@@ -109,9 +114,12 @@ def test_evicting_policy_round_trips_through_a_cpu_home(name):
         _decode(policy, work, prompt + i, g)
         store_into(home, work)                    # only the changed K/V slots
         assert_homed(home, "cpu")
+    mine = dict(owned_tensors(home))
     for field, value in owned_tensors(ref):
-        assert torch.equal(getattr(home, field), value), field
+        assert torch.equal(mine[field], value), field
     assert (home.used, home.cursor, home.ring_start) == (ref.used, ref.cursor, ref.ring_start)
+    hosts = lambda b: {n: v for n, v in b.policy_state.items() if not isinstance(v, torch.Tensor)}  # noqa: E731
+    assert hosts(home) == hosts(ref)
 
 
 def test_evicting_policy_runs_on_a_cpu_home_directly():
@@ -211,10 +219,10 @@ def test_a_slow_prefill_store_is_waited_for_before_the_home_is_read(cpu_compute,
             overlaps.append(home.layer)
         return real_load(work, home)
 
-    def checked_attention(self, w, h, inp, buf, policy):    # the direct (cpu compute) path
+    def checked_attention(self, w, h, inp, buf, policy, clock):   # the direct (cpu compute) path
         if buf is not None and id(buf) in storing:
             overlaps.append(buf.layer)
-        return real_attention(self, w, h, inp, buf, policy)
+        return real_attention(self, w, h, inp, buf, policy, clock)
     monkeypatch.setattr(engine_mod, "store_into", slow_store)
     monkeypatch.setattr(engine_mod, "load_into", checked_load)
     monkeypatch.setattr(type(model_for("opt")), "attention_half", checked_attention)
@@ -246,11 +254,11 @@ class _FakeEvent:
         return float(end.t - self.t)                    # ms
 
 
-class _FakeTimed(TimedPolicy):
+class _FakeTimed(EvictionClock):
     drained: list = []
 
-    def __init__(self, policy, device):
-        super().__init__(policy, torch.device("cuda"))  # the event path, with fake events
+    def __init__(self, device):
+        super().__init__(torch.device("cuda"))          # the event path, with fake events
 
     _event = staticmethod(_FakeEvent)
 
@@ -262,12 +270,11 @@ class _FakeTimed(TimedPolicy):
 
 
 def test_timing_events_are_read_and_dropped_once_complete():
-    hooks = SimpleNamespace(prefill=lambda *a: None, before_attention=lambda *a: None,
-                            after_attention=lambda *a: None)
-    timed = TimedPolicy(hooks, torch.device("cuda"))
+    timed = EvictionClock(torch.device("cuda"))
     timed._event = _FakeEvent
     for _ in range(3):
-        timed.after_attention()
+        with timed:                                     # as the model times a policy hook
+            pass
     _FakeEvent.done_upto = timed._events[1][1].t      # the first two pairs have completed
     timed.drain()
     assert len(timed._events) == 1 and timed._spent == pytest.approx(2 / 1e3)
@@ -277,7 +284,7 @@ def test_timing_events_are_read_and_dropped_once_complete():
 
 
 def test_the_engine_drains_timing_events_every_step(monkeypatch):
-    monkeypatch.setattr(engine_mod, "TimedPolicy", _FakeTimed)
+    monkeypatch.setattr(engine_mod, "EvictionClock", _FakeTimed)
     _FakeTimed.drained = []
     generate(model_for("llama-gqa"), rand_prompts([20, 17], seed=1), 12,
              get_policy("h2o", budget=0.5))
@@ -473,12 +480,12 @@ def test_offloaded_cache_with_eviction_runs_on_a_gpu(percent, flags, tmp_path):
 @CUDA
 def test_timing_events_do_not_grow_with_steps(monkeypatch, tmp_path):
     seen = []
-    real = TimedPolicy.drain
+    real = EvictionClock.drain
 
     def spy(self):
         real(self)
         seen.append(len(self._events))
-    monkeypatch.setattr(TimedPolicy, "drain", spy)
+    monkeypatch.setattr(EvictionClock, "drain", spy)
     e = _engine("llama-gqa", (100, 0, 100, 0, 100, 0), tmp_path, "cuda")
     try:
         generate(e, rand_prompts([20, 17], seed=1), 16, get_policy("h2o", budget=0.5))

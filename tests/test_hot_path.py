@@ -160,10 +160,10 @@ def guard_decode(monkeypatch, guard):
     seen = {"steps": 0, "evicting": 0}
     real_attn, real_input = Transformer._decode_attention, Transformer.step_input
 
-    def attention(self, q, k, v, inp, buf, policy):
+    def attention(self, q, k, v, inp, buf, policy, clock):
         slot, used = buf.incoming_slot(), buf.used
         with guard():
-            out = real_attn(self, q, k, v, inp, buf, policy)
+            out = real_attn(self, q, k, v, inp, buf, policy, clock)
         seen["steps"] += 1
         seen["evicting"] += slot == buf.scratch or buf.used <= used   # a commit or a BUZZ pass
         return out
@@ -233,11 +233,11 @@ def test_buzz_host_counts_match_the_buffer(name, lengths, monkeypatch):
     real_after = type(policy).after_attention
     checked = []
 
-    def after(self, buf, slot, probs):
-        real_after(self, buf, slot, probs)
+    def after(self, buf, slot, probs, scored=False):
+        real_after(self, buf, slot, probs, scored)
         live = buf.valid
         truth = set(zip(live.sum(0).tolist(), ((buf.state > 0.5) & live).sum(0).tolist()))
-        assert set(buf.buzz_counts) == truth
+        assert set(buf.policy_state["counts"]) == truth
         assert buf.used == int(live.sum(0).max())
         checked.append(buf.used)
 

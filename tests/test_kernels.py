@@ -112,21 +112,21 @@ def test_decode_attention_reference_vs_naive(rows, g, n, d):
 
 
 def test_fused_score_accumulation_counts_once():
-    """attend adds the scores itself once the buffer asks for it; add_attention then skips those
-    probabilities but still adds any others."""
+    """attend(score=True) adds the step's attention to buf.score itself; add_attention adds
+    probabilities only when they were not already scored, so each step counts once."""
     from flexevict.core.model import attend
     buf = KVBuffer(4, 2, 3, torch.float32, "cpu")
     buf.write(0, torch.randn(2, 3), torch.randn(2, 3), torch.tensor([0, 0], dtype=torch.int32))
     buf.write(1, torch.randn(2, 3), torch.randn(2, 3), torch.tensor([1, 1], dtype=torch.int32))
     q = torch.randn(2, 1, 3)
-    _, p = attend(q, buf, 2, 1.0)
-    add_attention(buf, p)                                           # first call: adds, asks
-    assert buf.fused_scores and torch.allclose(buf.score[:2], p.sum(1).t())
-    _, p2 = attend(q, buf, 2, 1.0)                                  # fused: attend adds
-    add_attention(buf, p2)                                          # ... and this skips
+    _, p = attend(q, buf, 2, 1.0)                                   # not scored: score untouched
+    assert torch.equal(buf.score, torch.zeros_like(buf.score))
+    add_attention(buf, p, scored=False)                             # the policy adds them
+    assert torch.allclose(buf.score[:2], p.sum(1).t())
+    _, p2 = attend(q, buf, 2, 1.0, score=True)                      # fused: attend adds
+    add_attention(buf, p2, scored=True)                             # ... and this skips
     assert torch.allclose(buf.score[:2], 2 * p.sum(1).t())
-    add_attention(buf, p2.clone())                                  # not from attend: added
-    assert torch.allclose(buf.score[:2], 3 * p.sum(1).t())
+    assert torch.equal(buf.score[2:], torch.zeros_like(buf.score[2:]))
 
 
 def naive_prefill(q, k, v, mask, valid, scale):
@@ -338,7 +338,7 @@ BAD_CALLS = {
     "query codes": (lambda: kernels.hash_victims(_buf(), torch.zeros(2, 1, 2, dtype=torch.long),
                                                  1), "one word"),
     "proj dim": (lambda: kernels.hash_codes(torch.zeros(3, 4), torch.zeros(8, 5)), "proj"),
-    "reduce": (lambda: kernels.cascade_update(_buf(), torch.zeros(2, 1, 3), 0, 0.5, "sum", 3),
+    "reduce": (lambda: kernels.cascade_update(_buf(), None, torch.zeros(2, 1, 3), 0, 0.5, "sum", 3),
                "reduce"),
     "odd group": (lambda: kernels.quantize_4bit(torch.zeros(4, 8), group=5), "group"),
     "bad dim": (lambda: kernels.quantize_4bit(torch.zeros(4, 8), dim=2), "dim"),
@@ -603,7 +603,7 @@ def test_cascade_update_kernel(built, reference_only, reduce, kv, batch, slots, 
     d, rows, prompt = 32, kv * batch, slots + 20
     policy = get_policy("cascade", budget_tokens=slots, reduce=reduce, **opts)
     cap = policy.capacity(prompt, 200)
-    buf = KVBuffer(cap, rows, d, torch.float16, "cuda", kv_heads=kv)
+    buf = KVBuffer(cap, rows, d, torch.float16, "cuda", kv_heads=kv, fields=policy.fields())
     gen = cuda_gen(slots + kv)
     kk = torch.randn(prompt, rows, d, device="cuda", generator=gen).half()
     valid = torch.ones(prompt, rows, dtype=torch.bool, device="cuda")
@@ -622,8 +622,8 @@ def test_cascade_update_kernel(built, reference_only, reduce, kv, batch, slots, 
         assert torch.allclose(a.state, b.state, rtol=1e-6, atol=1e-9), t
         a.state.copy_(b.state)
         assert_same_buffers(a, b)
-        for name in ("cascade_start", "cascade_count"):
-            assert torch.equal(getattr(a, name), getattr(b, name)), (t, name)
+        for name in ("start", "count"):
+            assert torch.equal(a.policy_state[name], b.policy_state[name]), (t, name)
         buf = b
 
 

@@ -14,14 +14,15 @@ import pytest
 import torch
 from test_cli import assert_user_error, run
 
-from flexevict import calibrate, plan as P
+from flexevict import plan as plan_cli
+from flexevict.runtime import calibration, search as P
 from flexevict.api import resolve_model
 from flexevict.cli import add_placement_args, add_policy_args, placement_from_args
 from flexevict.runtime.costmodel import CostModel
 from flexevict.errors import UserError
 from flexevict.runtime.memory import GIB, MemoryPlan
 from flexevict.runtime.placement import Placement
-from flexevict.policies import PolicySpec
+from flexevict.policies import POLICIES, PolicySpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = os.path.join(ROOT, "bench", "results", "placement", "calibration_h100_synthetic.json")
@@ -31,7 +32,7 @@ BIG = 1 << 50                               # "no limit" that still counts as a 
 def model_for(name, prompt, gen, policy="full", budget=None, device="cuda", cal=H100,
               dtype=torch.float16):
     config, _ = resolve_model(name, "_DUMMY_")
-    return CostModel(config, calibrate.read_file(cal), device, dtype, prompt, gen,
+    return CostModel(config, calibration.read_file(cal), device, dtype, prompt, gen,
                      PolicySpec.parse(policy, budget))
 
 
@@ -51,11 +52,11 @@ def test_h2o_batch_64_fits_at_20_percent_and_not_with_full(capsys):
     argv = ["--model", "opt-6.7b", "--device", "cuda", "--prompt-len", "2048", "--gen-len",
             "2048", "--percent", "100", "0", "100", "0", "100", "0", "--gpu-batch-size", "64",
             "--num-gpu-batches", "1", "--gpu-mem-limit", "80", "--calibration", H100]
-    P.main(argv + ["--policy", "h2o", "--budget", "0.2"])
+    plan_cli.main(argv + ["--policy", "h2o", "--budget", "0.2"])
     out = capsys.readouterr().out
     assert "placement: --percent 100 0 100 0 100 0 --gpu-batch-size 64" in out
     with pytest.raises(SystemExit) as exc:
-        P.main(argv + ["--policy", "full"])
+        plan_cli.main(argv + ["--policy", "full"])
     assert exc.value.code == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and "does not fit: GPU memory binds" in err[0], err
@@ -175,7 +176,7 @@ def test_infeasible_request_gives_one_line_with_the_binding_resource():
 
 
 def test_plan_prints_the_choice_its_bound_and_alternatives(capsys):
-    P.main(["--model", "opt-30b", "--device", "cuda", "--prompt-len", "512", "--gen-len", "32",
+    plan_cli.main(["--model", "opt-30b", "--device", "cuda", "--prompt-len", "512", "--gen-len", "32",
             "--percent", "auto", "--gpu-batch-size", "auto", "--num-gpu-batches", "4",
             "--gpu-mem-limit", "16", "--cpu-mem-limit", "200", "--calibration", H100])
     out = capsys.readouterr().out
@@ -288,9 +289,9 @@ def test_quick_calibration_is_cached_per_machine_and_redone_on_request(tmp_path,
     monkeypatch.delenv("FLEXEVICT_CALIBRATION")
     cpu = torch.device("cpu")
     quiet = lambda *a, **k: None  # noqa: E731
-    cal = calibrate.load(cpu, 1, str(tmp_path / "off"), quick=True, log=quiet)
-    key = calibrate.machine_key(cpu, 1)
-    assert cal.path == calibrate.cache_path(key) and os.path.isfile(cal.path)
+    cal = calibration.load(cpu, 1, str(tmp_path / "off"), quick=True, log=quiet)
+    key = calibration.machine_key(cpu, 1)
+    assert cal.path == calibration.cache_path(key) and os.path.isfile(cal.path)
     assert cal.path.startswith(str(tmp_path / "cache"))
     d = cal.device(cpu, torch.float32)
     assert d["gemm_flops"] > 0 and d["gemv_bw"] > 0 and d["attn_decode"]["per_unit_s"] >= 0
@@ -299,18 +300,18 @@ def test_quick_calibration_is_cached_per_machine_and_redone_on_request(tmp_path,
 
     def measured(*a, **k):
         raise AssertionError("measured again")
-    monkeypatch.setattr(calibrate, "measure_machine", measured)
-    again = calibrate.load(cpu, 1, quick=True, log=quiet)            # from the cache
+    monkeypatch.setattr(calibration, "measure_machine", measured)
+    again = calibration.load(cpu, 1, quick=True, log=quiet)            # from the cache
     assert again.data == json.load(open(cal.path))
     with pytest.raises(AssertionError, match="measured again"):
-        calibrate.load(cpu, 1, recalibrate=True, quick=True, log=quiet)
-    assert calibrate.cache_path(calibrate.machine_key(cpu, 2)) != cal.path   # per threads
+        calibration.load(cpu, 1, recalibrate=True, quick=True, log=quiet)
+    assert calibration.cache_path(calibration.machine_key(cpu, 2)) != cal.path   # per threads
 
 
 def test_a_policys_hook_costs_are_measured_on_first_use(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXEVICT_CACHE_DIR", str(tmp_path))
-    cal = calibrate.Calibration(calibrate.read_file(os.environ["FLEXEVICT_CALIBRATION"]).data,
-                                str(tmp_path / "c.json"))
+    fixture = calibration.read_file(os.environ["FLEXEVICT_CALIBRATION"])
+    cal = calibration.Calibration(fixture.data, str(tmp_path / "c.json"))
     cal.data["quick"] = True
     hooks = cal.policy(PolicySpec.parse("tova", 0.5), torch.device("cpu"), torch.float32)
     assert hooks["decode"]["fixed_s"] >= 0 and hooks["prefill"]["per_token_row_s"] >= 0
@@ -319,16 +320,48 @@ def test_a_policys_hook_costs_are_measured_on_first_use(tmp_path, monkeypatch):
 
 def test_cache_folder_and_bad_calibration_files(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXEVICT_CACHE_DIR", str(tmp_path / "a"))
-    assert calibrate.cache_dir() == str(tmp_path / "a")
+    assert calibration.cache_dir() == str(tmp_path / "a")
     monkeypatch.delenv("FLEXEVICT_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert calibrate.cache_dir() == str(tmp_path / "xdg" / "flexevict")
+    assert calibration.cache_dir() == str(tmp_path / "xdg" / "flexevict")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(UserError, match="not a calibration JSON"):
-        calibrate.read_file(str(bad))
+        calibration.read_file(str(bad))
     bad.write_text(json.dumps({"schema": 0}))
     with pytest.raises(UserError, match="not a calibration of schema"):
-        calibrate.read_file(str(bad))
+        calibration.read_file(str(bad))
     with pytest.raises(UserError, match="cannot read it"):
-        calibrate.read_file(str(tmp_path / "missing.json"))
+        calibration.read_file(str(tmp_path / "missing.json"))
+
+
+# ------------------------------------------------------------------------------ one source
+
+def test_every_offload_dir_default_is_the_placement_constant():
+    from flexevict.runtime.placement import DEFAULT_OFFLOAD_DIR
+    p = argparse.ArgumentParser()
+    add_placement_args(p)
+    assert p.parse_args([]).offload_dir == DEFAULT_OFFLOAD_DIR
+    assert Placement().offload_dir == P.Request().offload_dir == DEFAULT_OFFLOAD_DIR
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (3, 100), (5, 64)])
+def test_memory_plan_counts_compressed_weights_as_quantize_4bit_makes_them(shape):
+    """MemoryPlan's 4-bit sizes use the quantiser's own default group (quant.GROUP)."""
+    from dataclasses import replace
+    from flexevict.core.kernels.quant import GROUP, quantize_4bit
+    config, _ = resolve_model("opt-125m", "_DUMMY_")
+    plan = MemoryPlan(config, replace(Placement(), compress_weight=True), torch.float16, 1, 8,
+                      8, 17)
+    p = quantize_4bit(torch.randn(*shape, dtype=torch.float16))
+    made = [t.numel() * t.element_size() for t in (p.data, p.min, p.scale)]
+    assert p.group == GROUP and plan._stored(shape) == made
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policys_hooks_can_be_measured(name):
+    """A policy's hook costs are measured on a buffer holding its declared state (Cascade's
+    sub-cache counters, Scissorhands' history, ...), as the engine allocates it."""
+    spec = PolicySpec.parse(name) if name == "full" else PolicySpec.parse(name, 0.5)
+    hooks = calibration.measure_policy(spec, torch.device("cpu"), torch.float32, quick=True)
+    assert hooks["decode"]["fixed_s"] >= 0 and hooks["prefill"]["fixed_s"] >= 0

@@ -24,7 +24,7 @@ def make(k, w, T, s, prompt_len, gen_len=8, rows=1, name="buzz"):
     policy = get_policy(name, budget_tokens=k + w + T + 1, k=k, w=w, T=T, s=s)
     cap = policy.capacity(prompt_len, gen_len)
     assert policy.evicts and (policy.k, policy.w, policy.T, policy.s) == (k, w, T, s)
-    return policy, KVBuffer(cap, rows, D, torch.float32, "cpu")
+    return policy, KVBuffer(cap, rows, D, torch.float32, "cpu", fields=policy.fields())
 
 
 def kv_for(pos, rows):
@@ -221,7 +221,8 @@ def test_random_multirow_traces_match_the_reference(k, w, T, s):
     lengths = [30, 30, 21, 9, 2]
     rows, group, S, steps = len(lengths), 2, max(lengths), 45
     policy = get_policy("buzz", budget_tokens=k + w + T + 1, k=k, w=w, T=T, s=s)
-    buf = KVBuffer(policy.capacity(S, steps + 1), rows, D, torch.float32, "cpu")
+    buf = KVBuffer(policy.capacity(S, steps + 1), rows, D, torch.float32, "cpu",
+                   fields=policy.fields())
     valid = torch.zeros(S, rows, dtype=torch.bool)
     pos = torch.zeros(S, rows, dtype=torch.int32)
     for r, n in enumerate(lengths):
@@ -294,8 +295,8 @@ class Traced:
         if check is not None:
             inner = policy.after_attention
 
-            def after(buf, slot, probs):
-                inner(buf, slot, probs)
+            def after(buf, slot, probs, scored=False):
+                inner(buf, slot, probs, scored)
                 check(buf)
             policy.after_attention = after
         return generate(model, ps, n_new, policy, Sampling(), stop_ids=(), pad_id=0)

@@ -23,7 +23,7 @@ D = 2   # head dim of the hand-made buffers
 def make(budget_tokens, prompt_len, gen_len, rows=1, kv_heads=None, **args):
     policy = get_policy("cascade", budget_tokens=budget_tokens, **args)
     cap = policy.capacity(prompt_len, gen_len)
-    buf = KVBuffer(cap, rows, D, torch.float32, "cpu")
+    buf = KVBuffer(cap, rows, D, torch.float32, "cpu", fields=policy.fields())
     if kv_heads is not None:
         buf.kv_heads = kv_heads
     return policy, buf
@@ -416,8 +416,8 @@ def traced(monkeypatch, model, prompts, n_new, policy, check=None):
     monkeypatch.setattr(E, "allocate", alloc)
     real_after = policy.after_attention
 
-    def after(buf, slot, probs):
-        real_after(buf, slot, probs)
+    def after(buf, slot, probs, scored=False):
+        real_after(buf, slot, probs, scored)
         if check:
             check(buf)
     monkeypatch.setattr(policy, "after_attention", after)

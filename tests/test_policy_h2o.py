@@ -13,7 +13,7 @@ PROMPT_ROWS = [[1], [.6, .4], [.5, .1, .4], [.4, .1, .3, .2], [.3, .1, .3, .1, .
 
 def buffer_after_prompt(policy, prompt_len, gen_len, scores, rows=1, d=2):
     cap = policy.capacity(prompt_len, gen_len)
-    buf = KVBuffer(cap, rows, d, torch.float32, "cpu")
+    buf = KVBuffer(cap, rows, d, torch.float32, "cpu", fields=policy.fields())
     pos = torch.arange(prompt_len, dtype=torch.int32).unsqueeze(1).expand(-1, rows)
     k = pos.to(torch.float32).unsqueeze(-1).expand(-1, -1, d).contiguous()   # K encodes position
     policy.prefill(buf, k, k.clone(), pos.contiguous(), torch.ones(prompt_len, rows, dtype=torch.bool),

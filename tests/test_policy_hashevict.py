@@ -23,7 +23,7 @@ NAME = "hashevict"
 def make(slots, prompt_len, gen_len, rows=1, d=4, **args):
     policy = get_policy(NAME, budget_tokens=slots, **args)
     cap = policy.capacity(prompt_len, gen_len)
-    return policy, KVBuffer(cap, rows, d, torch.float32, "cpu")
+    return policy, KVBuffer(cap, rows, d, torch.float32, "cpu", fields=policy.fields())
 
 
 def prefill(policy, buf, k, pos=None, q=None, valid=None):
@@ -70,7 +70,7 @@ def bits(x, proj):
 def check_codes(policy, buf):
     """Every valid committed slot stores the code of the key it holds (codes move with keys)."""
     c = buf.capacity
-    want = hash_codes(buf.k[:c], buf.hash_proj)
+    want = hash_codes(buf.k[:c], policy._proj(buf))
     got = policy._get(buf, slice(0, c))
     assert torch.equal(got[buf.valid[:c]], want[buf.valid[:c]])
 
@@ -151,7 +151,7 @@ def test_projection_is_seeded_per_layer():
     policy, buf = make(20, 20, 5, d=8, seed=5)
     buf.layer = 2
     prefill(policy, buf, torch.randn(20, 1, 8))
-    assert torch.equal(buf.hash_proj, projection(16, 8, seed=5, layer=2))
+    assert torch.equal(policy._proj(buf), projection(16, 8, seed=5, layer=2))
 
 
 # ------------------------------------------------------------------------------ worked examples
@@ -160,7 +160,7 @@ def test_worked_example_a_victim():
     """§1.8(a) through the hooks: no sinks, no recent window; k2 is evicted before attention."""
     policy, buf = make(4, 3, 2, sinks=0, recent=0, hash_bits=3)
     assert (buf.capacity, policy.prefix, policy.ring) == (3, 2, 1)
-    buf.hash_proj = R_A
+    buf.constants[("hash_proj", "cpu")] = R_A
     prefill(policy, buf, K_A.unsqueeze(1))
     assert kept(buf) == [0, 1, 2]
     assert policy._get(buf, slice(0, 3))[:, 0, 0].tolist() == [0b011, 0b000, 0b110]
@@ -185,17 +185,17 @@ def test_worked_example_b_budgeted_step():
     distances [3,2,5,5,4,1]: candidates 3, 5, 7 (2, 5, 5), tie -> oldest: position 5 goes."""
     policy, buf = make(7, 6, 8, d=8, sinks=1, recent=2, hash_bits=8)
     assert (buf.capacity, policy.prefix, policy.ring) == (6, 3, 3)
-    buf.hash_proj = torch.eye(8)
+    buf.constants[("hash_proj", "cpu")] = torch.eye(8)
     prefill(policy, buf, _example_b_keys().unsqueeze(1), pos=[0, 3, 5, 7, 8, 9])
     assert buf.pos[:6, 0].tolist() == [0, 3, 5, 7, 8, 9]
     q = torch.ones(1, 1, 8)
-    assert hamming(hash_codes(q[0], buf.hash_proj), policy._get(buf, slice(0, 6)))[:, 0].tolist() \
+    assert hamming(hash_codes(q[0], policy._proj(buf)), policy._get(buf, slice(0, 6)))[:, 0].tolist() \
         == [3, 2, 5, 5, 4, 1]
     seen = {}
 
     def masked(buf, slot):
         seen["valid"] = buf.valid[:7, 0].tolist()
-        seen["victim"] = buf.hash_victims.tolist()
+        seen["victim"] = buf.policy_state["victims"].tolist()
 
     decode(policy, buf, torch.ones(1, 8), 10, q, masked)
     assert seen == {"victim": [2], "valid": [True, True, False, True, True, True, True]}
@@ -209,7 +209,7 @@ def test_ties_go_to_oldest_not_lowest_slot_and_protected_tokens_stay():
     (position 7) and slot 2 (position 5) evicts position 5. The sink and the recent tokens carry
     the largest distance (all signs flipped) and are never evicted."""
     policy, buf = make(7, 6, 8, d=8, sinks=1, recent=2, hash_bits=8)
-    buf.hash_proj = torch.eye(8)
+    buf.constants[("hash_proj", "cpu")] = torch.eye(8)
     keys = signs("--------", "--------", "----++++", "----++++", "++++++++", "--------")
     prefill(policy, buf, keys.unsqueeze(1), pos=[0, 3, 5, 7, 8, 9])
     q = torch.ones(1, 1, 8)
@@ -227,10 +227,10 @@ def test_gqa_sums_distances_over_query_heads():
     """Seed §5.3: per kv head, the sum over its query heads. Here head 0 alone would evict k1,
     head 1 alone k0, the max over heads k0, the mean query k1; the sums (3, 3, 5) evict k2."""
     policy, buf = make(4, 3, 2, d=4, sinks=0, recent=0, hash_bits=4)
-    buf.hash_proj = torch.eye(4)
+    buf.constants[("hash_proj", "cpu")] = torch.eye(4)
     prefill(policy, buf, signs("+--+", "----", "++--").unsqueeze(1))
     q = signs("+--+", "--+-").unsqueeze(0)                    # (rows=1, group=2, d)
-    assert hamming(hash_codes(q[0], buf.hash_proj), policy._get(buf, slice(0, 3)))[:, 0].tolist() \
+    assert hamming(hash_codes(q[0], policy._proj(buf)), policy._get(buf, slice(0, 3)))[:, 0].tolist() \
         == [3, 3, 5]
     decode(policy, buf, torch.ones(1, 4), 3, q)
     assert kept(buf) == [0, 1, 3]
@@ -257,7 +257,7 @@ def test_decode_steps_match_reference(args):
     cap, n, rows = buf.capacity, k.shape[0], k.shape[1]
     sinks, recent = policy.opts["sinks"], policy.opts["recent"]
     prefill(policy, buf, k[:cap])
-    proj = buf.hash_proj
+    proj = policy._proj(buf)
     kb = bits(k, proj)
     qb = bits(q, proj) if args.get("hash_source", "query") == "query" else kb.unsqueeze(2)
     refs = [reference(kb[:, r], qb[:, r], n, cap, sinks, recent) for r in range(rows)]
@@ -265,7 +265,7 @@ def test_decode_steps_match_reference(args):
     def pre_attention(buf, slot):
         n_att = buf.attended(slot)
         out, p = flexevict.core.model.attend(q_t, buf, n_att, 0.5)
-        victims = buf.hash_victims
+        victims = buf.policy_state["victims"]
         assert (p[buf.rows_index, :, victims] == 0).all()
         for r in range(rows):
             keep = buf.valid[:n_att, r]
@@ -294,7 +294,7 @@ def test_replay_prefill_equals_sequential_decisions():
     prefill(policy2, buf2, k[:cap])
     for t in range(cap, n):
         decode(policy2, buf2, k[t], t, q[t])
-    kb, qb = bits(k, buf.hash_proj), bits(q, buf.hash_proj)
+    kb, qb = bits(k, policy._proj(buf)), bits(q, policy._proj(buf))
     for r in range(rows):
         want = reference(kb[:, r], qb[:, r], n, cap, 4, 10)[-1]
         assert kept(buf, r) == kept(buf2, r) == want
@@ -325,7 +325,7 @@ def test_replay_with_padding_and_short_rows():
     prefill(policy, buf, k, pos=pos, q=q, valid=valid)
     cap = buf.capacity
     for r, m in enumerate(lens):
-        kb, qb = bits(k[n - m:, r], buf.hash_proj), bits(q[n - m:, r], buf.hash_proj)
+        kb, qb = bits(k[n - m:, r], policy._proj(buf)), bits(q[n - m:, r], policy._proj(buf))
         want = reference(kb, qb, m, cap, 4, 10)[-1] if m > cap else list(range(m))
         assert kept(buf, r) == want
     short = buf.pos[:cap, 2].tolist()
@@ -363,11 +363,11 @@ def traced_generate(monkeypatch, model, ps, gen_len, policy):
         pre(buf, k, v, pos, valid, scores, **kw)
         check(buf, (valid.sum(0) - 1).tolist())   # each row's last prompt token
 
-    def on_after(buf, slot, probs):
+    def on_after(buf, slot, probs, scored=False):
         if slot == buf.scratch:                    # the victim got no attention
-            assert (probs[buf.rows_index, :, buf.hash_victims] == 0).all()
+            assert (probs[buf.rows_index, :, buf.policy_state["victims"]] == 0).all()
         t = buf.pos[slot].tolist()                 # each row's new token
-        after(buf, slot, probs)
+        after(buf, slot, probs, scored)
         check(buf, t)
         steps.append(t)
 

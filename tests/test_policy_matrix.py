@@ -58,8 +58,8 @@ def test_random_trace_invariants(name, arch, monkeypatch):
     seen = []
     real_after = type(policy).after_attention
 
-    def checked(self, buf, slot, probs):
-        real_after(self, buf, slot, probs)
+    def checked(self, buf, slot, probs, scored=False):
+        real_after(self, buf, slot, probs, scored)
         committed = buf.valid[:buf.capacity]
         assert int(buf.valid.sum(0).max()) <= self.slots          # never above the budget
         assert not buf.valid[buf.scratch].any() or slot != buf.scratch
@@ -93,9 +93,10 @@ def test_buffer_is_sized_by_slots_and_never_grows(name, monkeypatch):
         pointers = {}
         real_after = type(policy).after_attention
 
-        def watch(self, buf, slot, probs):
-            real_after(self, buf, slot, probs)
-            now = [(t.data_ptr(), tuple(t.shape)) for t in buf.tensors()]
+        def watch(self, buf, slot, probs, scored=False):
+            real_after(self, buf, slot, probs, scored)
+            declared = [x for x in buf.policy_state.values() if isinstance(x, torch.Tensor)]
+            now = [(t.data_ptr(), tuple(t.shape)) for t in (*buf.tensors(), *declared)]
             assert pointers.setdefault(id(buf), now) == now       # same storage every step
 
         monkeypatch.setattr(type(policy), "after_attention", watch)

@@ -24,7 +24,7 @@ def score_by_pos(buf, row=0):
 def setup(prompt_len, budget_tokens, scores=None, gen=20, rows=1, **args):
     policy = get_policy("scissorhands", budget_tokens=budget_tokens, **args)
     cap = policy.capacity(prompt_len, gen)
-    buf = KVBuffer(cap, rows, 2, torch.float32, "cpu")
+    buf = KVBuffer(cap, rows, 2, torch.float32, "cpu", fields=policy.fields())
     s = prompt_len
     pos = torch.arange(s, dtype=torch.int32).unsqueeze(1).expand(s, rows)
     policy.prefill(buf, torch.randn(s, rows, 2), torch.randn(s, rows, 2), pos,
@@ -196,8 +196,8 @@ def test_random_trace_invariants(monkeypatch, args):
     real = policy.after_attention
     steps = []
 
-    def check(buf, slot, probs):
-        real(buf, slot, probs)
+    def check(buf, slot, probs, scored=False):
+        real(buf, slot, probs, scored)
         cap = buf.capacity
         assert cap == policy.slots - 1 == (s + gen) // 5 - 1 and policy.ring == recent
         v, p = buf.valid[:cap], buf.pos[:cap]
@@ -212,7 +212,7 @@ def test_random_trace_invariants(monkeypatch, args):
         if policy.counting:                              # importance = window - count
             sc = buf.score[:cap][v]
             assert ((sc >= 0) & (sc <= window) & (sc == sc.round())).all()
-        assert buf.sh_hist.shape[1:] == buf.score.shape  # allocated once, never grown
+        assert buf.policy_state["hist"].shape[1:] == buf.score.shape  # allocated once, never grown
         steps.append(slot == buf.scratch)
 
     monkeypatch.setattr(policy, "after_attention", check)

@@ -18,7 +18,7 @@ from tiny import CONFIGS as CFGS, model_for, rand_prompts, decode_step as step, 
 def setup(prompt_len, rows=1, budget_tokens=4, gen=10, scores=None, valid=None, **args):
     policy = get_policy("tova", budget_tokens=budget_tokens, **args)
     cap = policy.capacity(prompt_len, gen)
-    buf = KVBuffer(cap, rows, 2, torch.float32, "cpu")
+    buf = KVBuffer(cap, rows, 2, torch.float32, "cpu", fields=policy.fields())
     s = prompt_len
     valid = torch.ones(s, rows, dtype=torch.bool) if valid is None else valid
     pos = (valid.long().cumsum(0) - 1).clamp(min=0).to(torch.int32)
@@ -112,9 +112,9 @@ def _trace(monkeypatch, policy, check):
     """Wrap after_attention to run `check(buf, slot, probs, before)` after every call."""
     real = policy.after_attention
 
-    def wrapped(buf, slot, probs):
+    def wrapped(buf, slot, probs, scored=False):
         before = (buf.pos.clone(), buf.valid.clone())
-        real(buf, slot, probs)
+        real(buf, slot, probs, scored)
         check(buf, slot, probs, before)
 
     monkeypatch.setattr(policy, "after_attention", wrapped)

@@ -51,7 +51,7 @@ def example_buffer(name, **args):
     policy = get_policy(name, budget_tokens=5, **args)
     cap = policy.capacity(6, 2)
     assert (cap, policy.prefix, policy.ring) == (4, 2, 2)
-    buf = KVBuffer(cap, 1, 2, torch.float32, "cpu")
+    buf = KVBuffer(cap, 1, 2, torch.float32, "cpu", fields=policy.fields())
     policy.prefill(buf, *example_prompt())
     return policy, buf
 
@@ -151,7 +151,7 @@ def test_matches_reference(norm, F, L):
     policy = get_policy("vatp", budget_tokens=9, sinks=F, norm=norm)
     cap = policy.capacity(L, T)
     assert cap == 8
-    buf = KVBuffer(cap, rows, d, torch.float32, "cpu")
+    buf = KVBuffer(cap, rows, d, torch.float32, "cpu", fields=policy.fields())
     v = torch.randn(L + T, rows, d, generator=g)
     k = torch.randn(L + T, rows, d, generator=g)
     prompt_S = torch.rand(L, rows, generator=g) * 3
@@ -202,7 +202,8 @@ def test_equal_norms_equal_pin_control():
     out = []
     for name in ("vatp", "vatp-pin"):
         policy = get_policy(name, budget_tokens=9, sinks=2)
-        buf = KVBuffer(policy.capacity(L, T), rows, d, torch.float32, "cpu")
+        buf = KVBuffer(policy.capacity(L, T), rows, d, torch.float32, "cpu",
+                       fields=policy.fields())
         policy.prefill(buf, k[:L], v[:L], pos[:L], ones, S)
         trace = [[kept(buf, r) for r in range(rows)]]
         gg = torch.Generator().manual_seed(9)
@@ -229,8 +230,8 @@ def run_policy(model, prompts, n, policy, monkeypatch=None, check=None):
     if check is not None:
         real_after = policy.after_attention
 
-        def after(buf, slot, probs):
-            real_after(buf, slot, probs)
+        def after(buf, slot, probs, scored=False):
+            real_after(buf, slot, probs, scored)
             check(buf, policy, slot)
         policy.after_attention = after
     out = generate(model, prompts, n, policy, Sampling(), stop_ids=(), pad_id=0)

@@ -183,3 +183,23 @@ def test_passkey_cli_rejects_bad_depths(capsys):
         main(["passkey", "--depths", "0.5,2"])
     assert e.value.code == 2
     assert "passkey depths must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_a_sweep_run_records_the_shared_run_metadata(tmp_path):
+    """The sweep's record of a run is runtime.machine.run_metadata (commit, device, versions),
+    the one builder every benchmark result uses too."""
+    from types import SimpleNamespace
+    from flexevict.evaluation.sweep import run_sweep
+    from flexevict.runtime.machine import run_metadata
+
+    class Task:
+        name, settings = "fake", {}
+
+        def slots_check(self, spec):
+            return None
+
+        def run(self, llm, spec):
+            return {"score": 1.0}
+    llm = SimpleNamespace(device=torch.device("cpu"))
+    data, ran, _ = run_sweep(llm, "m", [Task()], ["full"], [0.5], str(tmp_path), progress=False)
+    assert ran == 1 and data["runs"][0]["machine"] == run_metadata("cpu")

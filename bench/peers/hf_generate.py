@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from flexevict.bench.throughput import WARMUP_PROMPT, WARMUP_TOKENS
+
 
 def parse():
     p = argparse.ArgumentParser()
@@ -76,7 +78,9 @@ def main():
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(4, model.config.vocab_size, (n, args.prompt_len), generator=g)
     ids = ids.to(model.device)
-    timed_generate(model, ids[:, :32], 1)                # warmup
+    # the same warm-up as flexevict.bench's (its length, not its policy: HF keeps every token)
+    timed_generate(model, ids[:, :min(WARMUP_PROMPT, args.prompt_len)],
+                   min(WARMUP_TOKENS, args.gen_len))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     prefill = timed_generate(model, ids, 1)

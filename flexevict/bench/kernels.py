@@ -23,7 +23,6 @@ commit and backend.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import torch
 from flexevict.core import kernels
 from flexevict.bench.report import write_json
 from flexevict.errors import UserError, cli_errors
+from flexevict.core.kernels.quant import GROUP
 from flexevict.core.kv import KVBuffer
 from flexevict.policies import get_policy
 
@@ -130,21 +130,14 @@ def time_op(op: Op, device: torch.device, launches: int, loops: int) -> dict:
 def both_paths(op: Op, device, launches, loops, with_kernels: bool) -> dict:
     """The same op with kernels on and off -> {kernel_ms, kernel_host_us, reference_ms,
     reference_host_us, launches, speedup}."""
-    saved = os.environ.get("FLEXEVICT_KERNELS")
     out = {"kernel_ms": None, "kernel_host_us": None}
-    try:
-        if with_kernels:
-            os.environ.pop("FLEXEVICT_KERNELS", None)
+    if with_kernels:
+        with kernels.ext.use_kernels(True):
             t = time_op(op, device, launches, loops)
-            out.update(kernel_ms=t["ms"], kernel_host_us=t["host_us"])
-        os.environ["FLEXEVICT_KERNELS"] = "0"
+        out.update(kernel_ms=t["ms"], kernel_host_us=t["host_us"])
+    with kernels.ext.use_kernels(False):
         t = time_op(op, device, launches, loops)
-        out.update(reference_ms=t["ms"], reference_host_us=t["host_us"], launches=t["launches"])
-    finally:
-        if saved is None:
-            os.environ.pop("FLEXEVICT_KERNELS", None)
-        else:
-            os.environ["FLEXEVICT_KERNELS"] = saved
+    out.update(reference_ms=t["ms"], reference_host_us=t["host_us"], launches=t["launches"])
     out["speedup"] = out["reference_ms"] / out["kernel_ms"] if out["kernel_ms"] else None
     return out
 
@@ -219,7 +212,8 @@ def cascade_op(shape: Shape, device, dtype, gen) -> Op:
     policy = get_policy("cascade", budget_tokens=shape.slots)
     cap = policy.capacity(shape.slots + 16, 64)
     rows = shape.batch * shape.heads
-    buf = KVBuffer(cap, rows, shape.head_dim, dtype, device, kv_heads=shape.heads)
+    buf = KVBuffer(cap, rows, shape.head_dim, dtype, device, kv_heads=shape.heads,
+                   fields=policy.fields())
     k = torch.randn(shape.slots + 16, rows, shape.head_dim, generator=gen, device=device).to(dtype)
     valid = torch.ones(k.shape[:2], dtype=torch.bool, device=device)
     pos = torch.arange(k.shape[0], dtype=torch.int32, device=device).unsqueeze(1).expand_as(valid)
@@ -227,12 +221,12 @@ def cascade_op(shape: Shape, device, dtype, gen) -> Op:
     buf.write(buf.scratch, k[0], k[0], pos[-1] + 1)
     probs = random_probs(rows, cap + 1, device, gen)
     restore = snapshot(buf)
-    counters = (buf.cascade_start.clone(), buf.cascade_count.clone())
+    sub_state = {name: t.clone() for name, t in buf.policy_state.items()}   # start, count
 
     def setup():
         restore()
-        buf.cascade_start.copy_(counters[0])
-        buf.cascade_count.copy_(counters[1])
+        for name, t in sub_state.items():
+            buf.policy_state[name].copy_(t)
     return Op("cascade EMA + sub-cache update",
               lambda i: policy.after_attention(buf, buf.scratch, probs), setup)
 
@@ -282,7 +276,7 @@ def quant_ops(shape: Shape, device, dtype, gen) -> list[Op]:
     cache = torch.randn(shape.slots, shape.batch * shape.heads, shape.head_dim, generator=gen,
                         device=device).to(dtype)
     packed_w = kernels.quantize_4bit(w, dim=0)
-    return [Op("quantize_4bit weight (group 64 along dim 0)",
+    return [Op(f"quantize_4bit weight (group {GROUP} along dim 0)",
                lambda i: kernels.quantize_4bit(w, dim=0)),
             Op("dequantize_4bit weight", lambda i: kernels.dequantize_4bit(packed_w)),
             Op("quantize_4bit KV cache (along head dim)", lambda i: kernels.quantize_4bit(cache))]

@@ -3,7 +3,7 @@
     python -m flexevict.bench --model opt-30b --policy h2o --budget 0.2 \\
         --percent 20 80 0 100 0 100 --gpu-batch-size 48 --num-gpu-batches 3 --cpu-cache-compute
 
-Dummy (seeded random) weights by default; gpu_batch_size x num_gpu_batches random prompts of
+Dummy weights (random, seeded) by default; gpu_batch_size x num_gpu_batches random prompts of
 --prompt-len tokens, --gen-len tokens each, greedy. Prints FlexGen's result block (sizes, peak
 memory, prefill/decode/total latency and throughput, total = generated tokens / (prefill +
 decode)) plus the policy's resolved slots, the time in eviction bookkeeping and the bytes moved
@@ -32,7 +32,8 @@ from flexevict.runtime.memory import MemoryPlan, GIB, out_of_memory
 from flexevict.policies import Policy, PolicySpec
 from flexevict.io.weights import DUMMY, open_weights
 from flexevict.runtime.progress import Progress
-from flexevict.bench.report import run_metadata, write_json
+from flexevict.bench.report import write_json
+from flexevict.runtime.machine import run_metadata
 
 # The warm-up before the timed run (one place): every sequence of the batch gets a prompt of
 # WARMUP_PROMPT tokens and WARMUP_TOKENS generated tokens, under a budget of a quarter of the
@@ -122,11 +123,12 @@ def run(args) -> dict:
 
 
 def predict(args, config, placement, n: int, device, dtype) -> dict:
-    """The cost model's prediction for this run (plan.py, costmodel.py): per phase and total,
-    what bounds each phase, and the calibration it used."""
+    """The cost model's prediction for this run (runtime/search.py, costmodel.py): per phase
+    and total, what bounds each phase, and the calibration it used."""
     from flexevict.runtime.costmodel import CostModel
-    from flexevict.plan import bound_line, cost_model
-    model: CostModel = cost_model(args, config, args.prompt_len, args.gen_len, device, dtype)
+    from flexevict.runtime.search import bound_line, cost_model
+    model: CostModel = cost_model(args, config, args.prompt_len, args.gen_len, device, dtype,
+                                  policy_spec(args))
     e = model.estimate(placement, n)
     cal = model.cal.data
     return {**e.describe(), "bound": bound_line(e),

@@ -11,10 +11,38 @@ While committed slots are free, a decoded token goes straight into the next one;
 full it is written to scratch, attended, and committed by the policy. Ring policies split the
 committed slots into a pinned prefix `[0, ring_start)` and a circular recent queue
 `[ring_start, capacity)` whose oldest entry sits at `cursor`.
+
+A policy that keeps more than `score` and `state` declares it (`Policy.fields`, a tuple of
+`Field`): the buffer allocates each declared tensor with the same allocator as K and V, and
+offloading (`flexevict.runtime.offload.load_into` / `store_into`) moves exactly the core
+tensors, the counters and the declared fields. Constants a policy derives from its arguments
+and the layer (HashEvict's projection) are not state: `constant` makes them once per buffer
+family and device, and they never travel.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class Field:
+    """One piece of per-buffer policy state.
+
+    A tensor: `shape` holds ints and the names "slots" (every slot, scratch included) and
+    "rows", `dtype` its type, zero-filled. A host value (`dtype` None): a Python value the
+    policy replaces (never mutates in place), starting as `init`."""
+    name: str
+    shape: tuple = ()
+    dtype: torch.dtype | None = None
+    init: object = None
+
+    def allocate(self, slots: int, rows: int, device, alloc):
+        if self.dtype is None:
+            return self.init
+        size = tuple(slots if x == "slots" else rows if x == "rows" else x for x in self.shape)
+        return alloc(size, self.dtype, device)
 
 
 def zeros(shape, dtype, device) -> torch.Tensor:
@@ -23,11 +51,13 @@ def zeros(shape, dtype, device) -> torch.Tensor:
 
 class KVBuffer:
     def __init__(self, capacity: int, rows: int, head_dim: int, dtype, device, kv_heads: int = 1,
-                 layer: int = 0, alloc=zeros):
+                 layer: int = 0, alloc=zeros, fields: tuple[Field, ...] = (),
+                 constants: dict | None = None):
         """alloc(shape, dtype, device) -> zeroed tensor: where the slots live (the offloading
         engine passes pinned or file-backed allocators, which may ignore `device`: tensors
         made here follow the allocated metadata, so a CPU or disk home indexes on the CPU
-        whatever the compute device is)."""
+        whatever the compute device is). fields: the policy's declared state (`Field`);
+        constants: a dict shared with the buffers that hold the same layer (see `constant`)."""
         n = capacity + 1
         self.capacity = capacity
         self.kv_heads = kv_heads  # rows = batch * kv_heads, row b * kv_heads + h
@@ -45,6 +75,17 @@ class KVBuffer:
         self.cursor = 0          # ring policies: slot of the oldest recent token
         self.rows_index = torch.arange(rows, device=self.valid.device)
         self.dirty: list | None = None   # K/V slots written since the last store (None: all)
+        self.fields = fields
+        self.policy_state = {f.name: f.allocate(n, rows, device, alloc) for f in fields}
+        self.constants = {} if constants is None else constants
+
+    def constant(self, name: str, make):
+        """A policy constant for this layer on this buffer's device: make(device) once per
+        device; shared (not copied) by every buffer given the same `constants` dict."""
+        key = (name, str(self.score.device))
+        if key not in self.constants:
+            self.constants[key] = make(self.score.device)
+        return self.constants[key]
 
     @property
     def scratch(self) -> int:
@@ -157,68 +198,3 @@ def gather_prompt(order: torch.Tensor, k, v, pos, valid, scores=None):
     take = lambda t: t.gather(0, order.unsqueeze(-1).expand(-1, -1, t.shape[-1]))  # noqa: E731
     return (take(k), take(v), pos.gather(0, order), valid.gather(0, order),
             None if scores is None else scores.gather(0, order))
-
-
-# ------------------------------------------------------------------------------ offloading
-_NOT_STATE = ("rows_index", "dirty")
-
-
-def load_into(work: KVBuffer, home: KVBuffer) -> None:
-    """Copy a home buffer (any tier, K/V possibly 4-bit compressed) into a working buffer on
-    the compute device: every slot, every policy field (tensors a policy attached, counters)."""
-    from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit
-    for name, value in vars(home).items():
-        if name in _NOT_STATE:
-            continue
-        if isinstance(value, Packed4bit):
-            getattr(work, name).copy_(dequantize_4bit(value.to(work.device, non_blocking=True)))
-        else:
-            _copy_field(work, name, value, non_blocking=True)
-    work.dirty = []
-
-
-def store_into(home: KVBuffer, work: KVBuffer) -> int:
-    """Write a working buffer back to its home: K/V only where they changed, everything else
-    whole (scores, positions and policy state are a few bytes per slot). -> bytes copied."""
-    moved = 0
-    for name, value in vars(work).items():
-        if name in _NOT_STATE or name in ("k", "v"):
-            continue
-        moved += _copy_field(home, name, value)
-    for slots in ([slice(None)] if work.dirty is None else work.dirty):
-        if isinstance(slots, torch.Tensor):            # one slot per row: (..., rows)
-            src, dst = (slots, work.rows_index), (slots.to(home.device), home.rows_index)
-        else:
-            src = dst = slots
-        for mine, value in ((home.k, work.k), (home.v, work.v)):
-            moved += _assign(mine, dst, value[src])
-    work.dirty = []
-    return moved
-
-
-def _copy_field(buf: KVBuffer, name: str, value, non_blocking: bool = False) -> int:
-    """buf.<name> = value on buf's device: copied into the existing tensor when it matches,
-    else a new copy (a field a policy attached on the other side); scalars are assigned.
-    -> bytes copied."""
-    if not isinstance(value, torch.Tensor):
-        setattr(buf, name, value)
-        return 0
-    mine = getattr(buf, name, None)
-    if mine is None or mine.shape != value.shape or mine.dtype != value.dtype:
-        setattr(buf, name, value.to(buf.device, copy=True))
-    else:
-        mine.copy_(value, non_blocking=non_blocking)
-    return value.numel() * value.element_size()
-
-
-def _assign(dst, index, src: torch.Tensor) -> int:
-    """dst[index] = src, for a tensor or 4-bit codes (src quantised first) -> bytes written."""
-    from flexevict.core.kernels.quant import Packed4bit, quantize_4bit
-    if isinstance(dst, Packed4bit):
-        p = quantize_4bit(src, group=dst.group, dim=-1)
-        parts = ((dst.data, p.data), (dst.scale, p.scale), (dst.min, p.min))
-    else:
-        parts = ((dst, src),)
-    for d, s in parts:
-        d[index] = s.to(d.device)
-    return sum(s.numel() * s.element_size() for _, s in parts)

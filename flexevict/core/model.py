@@ -9,6 +9,7 @@ Hk kv heads, d head dim, D hidden, R = B * Hk buffer rows.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flexevict.core import kernels
 from flexevict.core.config import ModelConfig
 from flexevict.errors import UserError
 from flexevict.core.kv import KVBuffer
@@ -131,6 +133,8 @@ def onednn_usable(device, dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
+
+NO_CLOCK = contextlib.nullcontext()   # what `attention_half` times policy hooks with by default
 
 LINEAR_WEIGHTS = ("wqkv", "wo", "w1", "w2", "wgu", "wd", "lm_head", "proj_in", "proj_out")
 
@@ -251,9 +255,10 @@ class Transformer:
 
     # ------------------------------------------------------------------ one layer
     def attention_half(self, w: dict, h: torch.Tensor, inp: StepInput, buf: KVBuffer,
-                       policy) -> torch.Tensor:
+                       policy, clock=NO_CLOCK) -> torch.Tensor:
         """Norm, attention over `buf` (updated through `policy`), residual. The engine runs the
-        two halves of a block as separate schedule layers with `sep_layer`."""
+        two halves of a block as separate schedule layers with `sep_layer`. clock: a context
+        manager entered around each policy hook (the engine times eviction bookkeeping)."""
         c = self.config
         opt = c.arch == "opt"
         if opt:
@@ -261,7 +266,7 @@ class Transformer:
                 if c.pre_layer_norm else h
         else:
             x = rms_norm(h, w["norm1"], c.norm_eps)
-        h = h + linear(self.attention(x, w, inp, buf, policy), w["wo"], w["bo"])
+        h = h + linear(self.attention(x, w, inp, buf, policy, clock), w["wo"], w["bo"])
         if opt and not c.pre_layer_norm:
             h = F.layer_norm(h, (c.hidden_size,), w["ln1_w"], w["ln1_b"], c.norm_eps)
         return h
@@ -280,16 +285,17 @@ class Transformer:
         gate, up = linear(x, w["wgu"], w.get("bgu")).chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, w["wd"], w["bd"])
 
-    def attention(self, x, w, inp: StepInput, buf: KVBuffer, policy) -> torch.Tensor:
+    def attention(self, x, w, inp: StepInput, buf: KVBuffer, policy, clock=NO_CLOCK
+                  ) -> torch.Tensor:
         c = self.config
         nh, nk, d = c.num_heads, c.num_kv_heads, c.dim_head
         qkv = linear(x, w["wqkv"], w.get("bqkv"))
         q, k, v = qkv.split([nh * d, nk * d, nk * d], dim=-1)
         if x.dim() == 3:
-            return self._prefill_attention(q, k, v, inp, buf, policy)
-        return self._decode_attention(q, k, v, inp, buf, policy)
+            return self._prefill_attention(q, k, v, inp, buf, policy, clock)
+        return self._decode_attention(q, k, v, inp, buf, policy, clock)
 
-    def _prefill_attention(self, q, k, v, inp, buf, policy):
+    def _prefill_attention(self, q, k, v, inp, buf, policy, clock):
         c = self.config
         b, s, _ = q.shape
         nh, nk, d = c.num_heads, c.num_kv_heads, c.dim_head
@@ -307,7 +313,6 @@ class Transformer:
         out = causal_attention(q, k, v, inp.pads, None if factor == 1.0 else scale)
         scores = None
         if policy.wants_prompt_scores():
-            from flexevict.core import kernels
             scores = kernels.prefill_column_sums(q, k, inp.valid, scale, fold=policy.prompt_scores)
         # buffer rows are (b, kv-head): (B, Hk, S, ...) -> (S, B*Hk, ...)
         rows = lambda t: t.permute(2, 0, 1, *range(3, t.dim())).reshape(s, b * nk, *t.shape[3:])
@@ -316,18 +321,20 @@ class Transformer:
         extra = {}
         if policy.needs_prompt_queries and policy.evicts:
             extra["q"] = q.view(b, nk, nh // nk, s, d).permute(3, 0, 1, 2, 4).reshape(s, b * nk, nh // nk, d)
-        policy.prefill(buf, rows(k_cached), rows(v), rows(pos).to(torch.int32), rows(valid),
-                       None if scores is None else rows(scores), **extra)
+        with clock:
+            policy.prefill(buf, rows(k_cached), rows(v), rows(pos).to(torch.int32), rows(valid),
+                           None if scores is None else rows(scores), **extra)
         return out.reshape(b, s, nh * d)
 
-    def _decode_attention(self, q, k, v, inp, buf, policy):
+    def _decode_attention(self, q, k, v, inp, buf, policy, clock):
         """Attention and eviction run where the buffer lives (FlexGen's cpu_cache_compute ships
         the new token's q, k, v to the CPU-resident cache and the output back)."""
         home = buf.k.device
         if q.device != home:
             rope = None if inp.rope is None else tuple(t.to(home) for t in inp.rope)
             inp = StepInput(pos=inp.pos.to(home), valid=None, rope=rope)
-            out = self._decode_attention(q.to(home), k.to(home), v.to(home), inp, buf, policy)
+            out = self._decode_attention(q.to(home), k.to(home), v.to(home), inp, buf, policy,
+                                         clock)
             return out.to(q.device)
         c = self.config
         b = q.shape[0]
@@ -341,14 +348,17 @@ class Transformer:
             q, k = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), apply_rope(k, cos, sin)
         slot = buf.incoming_slot()
         buf.write(slot, k, v.reshape(b * nk, d), inp.pos.repeat_interleave(nk).to(torch.int32))
-        policy.before_attention(buf, slot, q)
+        with clock:
+            policy.before_attention(buf, slot, q)
         n = buf.attended(slot)
         keys = None
         if in_cache:
             q, keys = self._rotate_in_cache(q, buf, n)
         scale = d ** -0.5 * policy.logit_scale(min(n, buf.used + 1))
-        out, probs = attend(q, buf, n, scale, keys)
-        policy.after_attention(buf, slot, probs)
+        scored = policy.accumulates_attention
+        out, probs = attend(q, buf, n, scale, keys, scored)
+        with clock:
+            policy.after_attention(buf, slot, probs, scored=scored)
         return out.reshape(b, nh * d)
 
     def _rotate_in_cache(self, q, buf: KVBuffer, n: int):
@@ -407,23 +417,18 @@ def attention_with_column_sums(q, k, v, valid, scale, block: int = 256, fold=Non
     fold(acc, p, first, valid) replaces the column sum with a policy's own prompt statistic;
     p (B, Hk, g, c, S) fp32 are the probabilities of query rows [first, first + c).
     """
-    from flexevict.core import kernels
     out = causal_attention(q, k, v, (~valid).sum(dim=1), scale).transpose(1, 2)
     return out, kernels.prefill_column_sums(q, k, valid, scale, block, fold)
 
 
-def attend(q: torch.Tensor, buf: KVBuffer, n: int, scale: float, keys=None):
+def attend(q: torch.Tensor, buf: KVBuffer, n: int, scale: float, keys=None,
+           score: bool = False):
     """Decode attention over the buffer's first n slots (a CUDA kernel on a GPU).
 
     q: (R, g, d); keys: (n, R, d) to use instead of the cached keys (in-cache RoPE)
     -> out (R, g, d), probs (R, g, n) fp32 (policies sum over g for a kv head).
-    A buffer whose policy accumulates scores (`buf.fused_scores`, see policies/base.py
-    `add_attention`) gets them added here, in the same kernel, and learns which probs they were.
+    score: also add probs, summed over g, to buf.score[:n] in the same kernel (for a policy
+    that `accumulates_attention`; it is then told `scored=True`).
     """
-    from flexevict.core import kernels
-    fused = getattr(buf, "fused_scores", False)
-    out, p = kernels.decode_attention(q, buf.k[:n] if keys is None else keys, buf.v[:n],
-                                      buf.valid[:n], scale, buf.score if fused else None)
-    if fused:
-        buf.scored_probs = p
-    return out, p
+    return kernels.decode_attention(q, buf.k[:n] if keys is None else keys, buf.v[:n],
+                                    buf.valid[:n], scale, buf.score if score else None)

@@ -14,14 +14,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import sys
 import time
 
-import torch
-
 from flexevict.errors import UserError
 from flexevict.policies import POLICIES, PolicySpec
+from flexevict.runtime.machine import run_metadata
 from flexevict.runtime.progress import Progress
 
 DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.4, 0.6, 1.0)
@@ -90,11 +88,6 @@ def save_results(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor(),
-            "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__}
-
-
 # ------------------------------------------------------------------------------ running
 
 def run_sweep(llm, model: str, tasks: list, policies: list[str], budgets: list[float],
@@ -130,7 +123,8 @@ def run_sweep(llm, model: str, tasks: list, policies: list[str], budgets: list[f
     if todo:
         data["runs"].append({"cells": len(todo), "seconds": seconds,
                              "tasks": [t.name for t in tasks], "policies": policies,
-                             "budgets": budgets, "machine": machine()})
+                             "budgets": budgets,
+                             "machine": run_metadata(llm.device)})
         save_results(path, data)
     return data, len(todo), seconds
 

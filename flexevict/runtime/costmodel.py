@@ -260,7 +260,7 @@ class CostModel:
         return width[kind]
 
     def _fitted_passes(self) -> dict:
-        """The passes that make the calibration's probe layer (calibrate.measure_probe) come
+        """The passes that make the calibration's probe layer (calibration.measure_probe) come
         out as measured: its halves' time less their matmuls, attention and the full policy's
         prefill hook, over one pass's time (PASSES without a probe)."""
         if self._passes_fit is not None:
@@ -270,7 +270,7 @@ class CostModel:
         self._passes_fit = dict(PASSES[arch])
         if not probe:
             return self._passes_fit
-        from flexevict.calibrate import probe_config
+        from flexevict.runtime.calibration import probe_config
         from flexevict.policies import PolicySpec
         c = probe_config(arch)
         b, s = probe["batch"], probe["prompt"]
@@ -292,7 +292,7 @@ class CostModel:
     def _efficiency(self) -> dict:
         """Factors on the CPU's compute (prefill, decode) and weight-streaming work that make
         the model reproduce the real engine on the calibration's engine probe (a six-layer
-        model, calibrate.measure_engine_probe): what isolated measurements miss of a run, such
+        model, calibration.measure_engine_probe): what isolated measurements miss of a run, such
         as the compute thread and a lane thread sharing the memory bandwidth and the GIL, and
         the allocator's state. 1.0 without a probe (and on a GPU)."""
         if self._eff is not None:
@@ -301,7 +301,7 @@ class CostModel:
         probe = self.dev.get("engine_probe", {}).get(self.config.arch)
         if not probe or self.cuda:
             return self._eff
-        from flexevict.calibrate import engine_probe_config
+        from flexevict.runtime.calibration import engine_probe_config
         from flexevict.runtime.placement import Placement
         from flexevict.policies import PolicySpec
         eff = {"prefill": 1.0, "decode": 1.0, "weights": 1.0}
@@ -328,7 +328,7 @@ class CostModel:
     def _weight_read_bw(self, nbytes: int, hot: bool) -> float:
         """Bytes/s a matmul reads a layer's weights at: from memory, or for a later GPU batch of
         the same layer from the last-level cache, fully when the layer fits in half of it, not
-        at all once it fills it (linear in between; measured, see calibrate.measure_matmul)."""
+        at all once it fills it (linear in between; measured, see calibration.measure_matmul)."""
         d = self.dev
         cold, warm, llc = d["gemv_bw"], d.get("gemv_hot_bw", d["gemv_bw"]), d.get("llc_bytes", 0)
         if not hot or nbytes >= llc:

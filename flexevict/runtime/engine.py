@@ -23,11 +23,12 @@ import torch
 
 from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
 from flexevict.errors import UserError
-from flexevict.core.kv import KVBuffer, load_into, store_into, zeros
+from flexevict.core.kv import KVBuffer, zeros
 from flexevict.core.model import (LINEAR_WEIGHTS, PackedWeight, Transformer, load_layer_weights,
                     load_outer_weights, onednn_usable)
-from flexevict.runtime.offload import DONE, Lane, Tiers, Ticket, Traffic
-from flexevict.runtime.placement import Placement
+from flexevict.policies import Policy
+from flexevict.runtime.offload import DONE, Lane, Tiers, Ticket, Traffic, load_into, store_into
+from flexevict.runtime.placement import DEFAULT_OFFLOAD_DIR, Placement
 
 POOL = 3          # working buffers in flight: computing, being loaded, being stored
 ATTENTION_KEYS = ("wqkv", "bqkv", "wo", "bo", "ln1_w", "ln1_b", "norm1")
@@ -58,7 +59,8 @@ class Run:
     pool of working buffers, and the store tickets that later loads and the step's end wait on."""
     cache: list                     # cache[k][j]: GPU batch k's buffer of block j, in its home
     cache_tiers: list               # cache[k]'s home tier
-    policy: "TimedPolicy"
+    policy: Policy
+    clock: "EvictionClock"      # defined below, with the helpers
     pool: list = field(default_factory=lambda: [None] * POOL)   # working buffers in flight
     stored: list = field(default_factory=lambda: [DONE] * POOL)  # pool slot -> its last store
     home_stored: dict = field(default_factory=dict)   # (k, j) -> the home's latest store
@@ -122,7 +124,7 @@ class Engine:
                   split_weights(s, model.layers[s.layer] if s.has_cache else {}, model.outer).items()}
                  for s in stages]
         return cls(model, Placement(sep_layer=False, overlap=False),
-                   homes, Tiers(model.device, "~/flexevict_offload_dir", pin=False))
+                   homes, Tiers(model.device, DEFAULT_OFFLOAD_DIR, pin=False))
 
     @classmethod
     def load(cls, config, source, placement: Placement, device, dtype, progress=None) -> "Engine":
@@ -203,8 +205,9 @@ class Engine:
         limit = self.config.max_positions if wrap_positions else None
         with self.tiers.run_scope():          # the next run reuses this run's pinned KV homes
             cache_tiers = self.placement.cache_tiers(len(sizes))
-            run = Run(self._allocate_cache(capacity, sizes, cache_tiers), cache_tiers,
-                      TimedPolicy(policy, self.tiers.compute))
+            run = Run(self._allocate_cache(capacity, sizes, cache_tiers, policy.fields()),
+                      cache_tiers,
+                      policy, EvictionClock(self.tiers.compute))
             stats = self._run(run, tokens, valid, pos, sizes, steps, consume, until, limit)
         self.last_run = stats
         return stats
@@ -228,28 +231,29 @@ class Engine:
                 feed = self._step(run, i, feed, inputs, consume)
                 _sync(self.tiers.compute)
                 stats.step_seconds.append(time.perf_counter() - t0)
-                run.policy.drain()             # after the synchronize: every event completed
+                run.clock.drain()              # after the synchronize: every event completed
                 if until is not None and until():
                     break
         finally:
             for lane in self.lanes.values():       # no copy may outlive the run's buffers
                 lane.drain()
-        stats.eviction_seconds = run.policy.seconds()
+        stats.eviction_seconds = run.clock.seconds()
         stats.traffic = self.traffic.as_dict()
         return stats
 
     def _step_input(self, pos, valid, limit: int | None):
         return self.model.step_input(pos if limit is None else pos % limit, valid)
 
-    def _allocate_cache(self, capacity: int, sizes: list[int], tiers: list[str]
+    def _allocate_cache(self, capacity: int, sizes: list[int], tiers: list[str], fields=()
                         ) -> list[list[KVBuffer]]:
-        """cache[k][j]: GPU batch k's buffer of block j, in its home tier tiers[k]."""
+        """cache[k][j]: GPU batch k's buffer of block j, in its home tier tiers[k], with the
+        policy's declared state `fields`."""
         cache = []
         for tier, size in zip(tiers, sizes):
             alloc = self.tiers.alloc(tier)
             if self.placement.compress_cache:      # K, V: only their 4-bit parts in the tier
                 alloc = _kv_in_ram(alloc)
-            bufs = allocate(self.model, capacity, size, alloc)   # alloc picks the device
+            bufs = allocate(self.model, capacity, size, alloc, fields)   # alloc picks the device
             if self.placement.compress_cache:
                 put = lambda x, tier=tier: self.tiers.put(tier, x)   # noqa: E731
                 for b in bufs:
@@ -281,7 +285,7 @@ class Engine:
             if stage.kind == "head":
                 out[k] = consume(i, k, h, lambda x, w=w: self.model.head(x, w))
                 continue
-            h = self._compute(stage, w, h, inputs[k], buf, run.policy)
+            h = self._compute(stage, w, h, inputs[k], buf, run)
             if buf is not None:
                 stored = self._store_cache(run, i, n, stage, k, buf)
                 if not overlap:
@@ -292,7 +296,7 @@ class Engine:
             t.wait()
         return out
 
-    def _compute(self, stage: Stage, w, h, inp, buf, policy):
+    def _compute(self, stage: Stage, w, h, inp, buf, run: Run):
         m = self.model
         if stage.kind == "embed":
             return m.embed(h, inp, w)
@@ -300,7 +304,7 @@ class Engine:
             return m.mlp_half(w, h)
         if buf is not None and buf.device != h.device and inp.valid is None:
             self._count_shipping(h.shape[0])
-        h = m.attention_half(w, h, inp, buf, policy)
+        h = m.attention_half(w, h, inp, buf, run.policy, run.clock)
         return m.mlp_half(w, h) if stage.kind == "block" else h
 
     # ------------------------------------------------------------------ cache
@@ -374,36 +378,31 @@ class Engine:
         return h
 
 
-class TimedPolicy:
-    """A policy whose hooks are timed: eviction bookkeeping (the policy's own work, not the
-    attention it is handed). On CUDA the time comes from a pair of events per hook call, read
-    and dropped by `drain()` once they have completed (the engine drains after each token
-    step's synchronize, so the pairs never outnumber one step's hook calls)."""
+class EvictionClock:
+    """Times eviction bookkeeping, the policy's own work (not the attention it is handed): the
+    model enters it around every policy hook (`Transformer.attention_half(..., clock)`). On
+    CUDA the time comes from a pair of events per hook call, read and dropped by `drain()` once
+    they have completed (the engine drains after each token step's synchronize, so the pairs
+    never outnumber one step's hook calls)."""
 
-    HOOKS = ("prefill", "before_attention", "after_attention")
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._spent, self._events, self._start = 0.0, [], None
 
-    def __init__(self, policy, device: torch.device):
-        self._policy, self._cuda = policy, device.type == "cuda"
-        self._spent, self._events = 0.0, []
+    def __enter__(self):
+        if self._cuda:
+            self._start = self._event()
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
 
-    def __getattr__(self, name):
-        attr = getattr(self._policy, name)
-        if name not in self.HOOKS:
-            return attr
-
-        def timed(*args, **kwargs):
-            if self._cuda:
-                a, b = self._event(), self._event()
-                a.record()
-                out = attr(*args, **kwargs)
-                b.record()
-                self._events.append((a, b))
-                return out
-            t0 = time.perf_counter()
-            out = attr(*args, **kwargs)
-            self._spent += time.perf_counter() - t0
-            return out
-        return timed
+    def __exit__(self, *exc):
+        if self._cuda:
+            end = self._event()
+            end.record()
+            self._events.append((self._start, end))
+        else:
+            self._spent += time.perf_counter() - self._start
 
     @staticmethod
     def _event():
@@ -450,11 +449,13 @@ def check_length(config, prompt_len: int, new_tokens: int):
                         "--max-new-tokens")
 
 
-def allocate(model: Transformer, capacity: int, batch: int, alloc=zeros) -> list[KVBuffer]:
-    """One KV buffer per layer for `batch` sequences; alloc picks the memory (kv.KVBuffer)."""
+def allocate(model: Transformer, capacity: int, batch: int, alloc=zeros, fields=()
+             ) -> list[KVBuffer]:
+    """One KV buffer per layer for `batch` sequences with the policy's declared state
+    `fields`; alloc picks the memory (kv.KVBuffer)."""
     c = model.config
     return [KVBuffer(capacity, batch * c.num_kv_heads, c.dim_head, model.dtype, model.device,
-                     kv_heads=c.num_kv_heads, layer=j, alloc=alloc)
+                     kv_heads=c.num_kv_heads, layer=j, alloc=alloc, fields=fields)
             for j in range(c.num_layers)]
 
 
@@ -472,24 +473,27 @@ def _place(tiers: Tiers, tier: str, name: str, t: torch.Tensor, pack: bool, plac
 
 
 def compressed(t: torch.Tensor, put) -> Packed4bit:
-    """t quantised to 4 bits in groups of 64 along its last dim (FlexGen's scheme: along the
+    """t quantised to 4 bits in groups of quant.GROUP along its last dim (FlexGen's scheme: along the
     head dim for the cache, the input features for weights), each part placed by put(tensor)."""
-    p = quantize_4bit(t, group=64, dim=-1)
+    p = quantize_4bit(t, dim=-1)
     return dataclasses.replace(p, data=put(p.data), min=put(p.min), scale=put(p.scale))
 
 
 def _kv_in_ram(alloc):
     """alloc, except for K and V (the 3-D fields): zeros in ordinary memory, to be compressed
-    into the tier (allocated there, they would hold tier memory until the run ends)."""
+    into the tier (allocated there, they would hold tier memory until the run ends). A policy's
+    3-D declared state (HashEvict's wide codes, Scissorhands' history) stays in RAM too."""
     def kv_in_ram(shape, dtype, device=None):
         return torch.zeros(shape, dtype=dtype) if len(shape) == 3 else alloc(shape, dtype, device)
     return kv_in_ram
 
 
 def _like(buf: KVBuffer, device) -> KVBuffer:
-    """An empty working buffer with buf's shape on `device`."""
+    """An empty working buffer with buf's shape and declared state on `device`, sharing its
+    constants."""
     return KVBuffer(buf.capacity, buf.valid.shape[1], buf.head_dim, buf.dtype, device,
-                    kv_heads=buf.kv_heads, layer=buf.layer)
+                    kv_heads=buf.kv_heads, layer=buf.layer, fields=buf.fields,
+                    constants=buf.constants)
 
 
 def _nbytes(x) -> int:

@@ -13,6 +13,7 @@ import torch
 from flexevict.runtime.engine import POOL, split_weights, stages_for
 from flexevict.runtime import rundir
 from flexevict.errors import UserError
+from flexevict.core.kernels.quant import GROUP
 from flexevict.core.model import load_layer_weights, load_outer_weights
 from flexevict.runtime.offload import can_pin, host_bytes, park_bytes
 
@@ -100,9 +101,9 @@ class MemoryPlan:
         return [_numel(shape) * self.elem]
 
     def _packed(self, outer: int, last: int) -> list[int]:
-        """4-bit parts (codes, min, scale) of outer rows of `last` values, groups of 64."""
-        groups = outer * math.ceil(last / 64)
-        return [groups * 32, groups * self.elem, groups * self.elem]
+        """4-bit parts (codes, min, scale) of outer rows of `last` values, groups of GROUP."""
+        groups = outer * math.ceil(last / GROUP)
+        return [groups * GROUP // 2, groups * self.elem, groups * self.elem]
 
     def _buffer_tensors(self, batch: int, compressed: bool) -> list[int]:
         """Bytes of each tensor of one layer's KV buffer for `batch` sequences (slots include

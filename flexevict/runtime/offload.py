@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
+from flexevict.core.kv import KVBuffer
 from flexevict.runtime import rundir
 from flexevict.errors import UserError
 
@@ -388,3 +390,71 @@ class Traffic:
 
     def as_dict(self) -> dict:
         return dict(sorted(self.bytes.items()))
+
+
+# ------------------------------------------------------------------------------ KV buffers
+# What a KV buffer's state is: its core tensors and counters, and the fields its policy
+# declared (kv.Field). Nothing else moves: constants are shared, indices are rebuilt.
+COUNTERS = ("used", "ring_start", "cursor")
+
+
+def load_into(work: KVBuffer, home: KVBuffer) -> None:
+    """Copy a home buffer (any tier, K/V possibly 4-bit compressed) into a working buffer of
+    the same shape on the compute device: every slot, the counters and the declared state."""
+    for name in ("k", "v"):
+        value = getattr(home, name)
+        if isinstance(value, Packed4bit):
+            value = dequantize_4bit(value.to(work.device, non_blocking=True))
+        getattr(work, name).copy_(value, non_blocking=True)
+    for mine, value in zip(work.tensors()[2:], home.tensors()[2:]):
+        mine.copy_(value, non_blocking=True)
+    _copy_state(work.policy_state, home.policy_state, non_blocking=True)
+    for name in COUNTERS:
+        setattr(work, name, getattr(home, name))
+    work.layer, work.constants, work.dirty = home.layer, home.constants, []
+
+
+def store_into(home: KVBuffer, work: KVBuffer) -> int:
+    """Write a working buffer back to its home: K/V only where they changed, everything else
+    whole (scores, positions and policy state are a few bytes per slot). -> bytes copied."""
+    moved = 0
+    for mine, value in zip(home.tensors()[2:], work.tensors()[2:]):
+        mine.copy_(value)
+        moved += value.numel() * value.element_size()
+    moved += _copy_state(home.policy_state, work.policy_state)
+    for name in COUNTERS:
+        setattr(home, name, getattr(work, name))
+    for slots in ([slice(None)] if work.dirty is None else work.dirty):
+        if isinstance(slots, torch.Tensor):            # one slot per row: (..., rows)
+            src, dst = (slots, work.rows_index), (slots.to(home.device), home.rows_index)
+        else:
+            src = dst = slots
+        for mine, value in ((home.k, work.k), (home.v, work.v)):
+            moved += _assign(mine, dst, value[src])
+    work.dirty = []
+    return moved
+
+
+def _copy_state(dst: dict, src: dict, non_blocking: bool = False) -> int:
+    """Declared policy state src -> dst (same fields): tensors copied in place, host values
+    (immutable by contract) assigned. -> bytes copied."""
+    moved = 0
+    for name, value in src.items():
+        if isinstance(value, torch.Tensor):
+            dst[name].copy_(value, non_blocking=non_blocking)
+            moved += value.numel() * value.element_size()
+        else:
+            dst[name] = value
+    return moved
+
+
+def _assign(dst, index, src: torch.Tensor) -> int:
+    """dst[index] = src, for a tensor or 4-bit codes (src quantised first) -> bytes written."""
+    if isinstance(dst, Packed4bit):
+        p = quantize_4bit(src, group=dst.group, dim=-1)
+        parts = ((dst.data, p.data), (dst.scale, p.scale), (dst.min, p.min))
+    else:
+        parts = ((dst, src),)
+    for d, s in parts:
+        d[index] = s.to(d.device)
+    return sum(s.numel() * s.element_size() for _, s in parts)

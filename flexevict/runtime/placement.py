@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 from flexevict.errors import UserError
 
 TIERS = ("gpu", "cpu", "disk")
+# where disk-tier files go unless --offload-dir says otherwise (every default of it is this)
+DEFAULT_OFFLOAD_DIR = "~/flexevict_offload_dir"
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class Placement:
     cpu_cache_compute: bool = False
     compress_weight: bool = False
     compress_cache: bool = False
-    offload_dir: str = "~/flexevict_offload_dir"
+    offload_dir: str = DEFAULT_OFFLOAD_DIR
 
     @classmethod
     def from_percent(cls, percent, **flags) -> "Placement":

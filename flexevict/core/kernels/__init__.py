@@ -17,8 +17,9 @@ import torch
 from flexevict.core.kernels import ext, reference
 from flexevict.core.kernels.ext import backend
 from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
-from flexevict.core.kernels.reference import (WORD_BITS, accumulate_scores, buzz_select, candidate_slots,
-                        compaction, hamming, kv_head_probs, lowest, popcount, reduce_heads)
+from flexevict.core.kernels.reference import (WORD_BITS, SubCaches, accumulate_scores, buzz_select,
+                                              candidate_slots, compaction, hamming, kv_head_probs,
+                                              lowest, popcount, reduce_heads)
 
 __all__ = [  # the dispatch functions (kernel or reference) ...
            "backend", "decode_attention", "prefill_attention", "prefill_column_sums",
@@ -26,7 +27,7 @@ __all__ = [  # the dispatch functions (kernel or reference) ...
            "hash_codes", "hash_victims", "compact_prompt", "buzz_pass", "cascade_update",
            "quantize_4bit", "dequantize_4bit", "Packed4bit",
            # ... and reference helpers the policies share (no kernel of their own)
-           "WORD_BITS", "accumulate_scores", "buzz_select", "candidate_slots", "compaction",
+           "WORD_BITS", "SubCaches", "accumulate_scores", "buzz_select", "candidate_slots", "compaction",
            "hamming", "kv_head_probs", "lowest", "popcount", "reduce_heads"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -88,7 +89,7 @@ def decode_attention(q, k, v, valid, scale: float, score=None):
         if score.shape[0] < n:
             _fail(op, f"score has {score.shape[0]} slots, fewer than the {n} attended")
     module = ext.module_for(q)
-    fits = d <= 256 and ((g + 4) * d + 2 * g + 32) * 4 <= 48 * 1024
+    fits = module is not None and ext.decode_attention_fits(module, g, d)
     if module is None or not fits or (score is not None and score.stride(1) != 1):
         return reference.decode_attention(q, k, v, valid, scale, score)
     out = torch.empty(rows, g, d, dtype=q.dtype, device=q.device)
@@ -120,7 +121,8 @@ def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold
     _expect(op, "mask", mask, (b, 1, s, s), torch.bool, q.device)
     _expect(op, "valid", valid, (b, s), torch.bool, q.device)
     module = ext.module_for(q)
-    if module is None or fold is not None or d > 128 or b * h > 65535:
+    if module is None or fold is not None or not ext.within(
+            module, prefill_max_dim=d, prefill_max_batch_heads=b * h):
         return reference.prefill_attention(q, k, v, mask, valid, scale, block, fold)
     out = torch.empty(b, h, s, d, dtype=q.dtype, device=q.device)
     row_max = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
@@ -213,7 +215,8 @@ def hash_codes(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
         _fail(op, "x must have a last dim (the head dim)")
     _expect(op, "proj", proj, (None, x.shape[-1]), torch.float32, x.device)
     module = ext.module_for(x)
-    if module is None or proj.shape[0] > 1024 or x.shape[-1] > 12288:
+    if module is None or not ext.within(module, lsh_max_bits=proj.shape[0],
+                                        lsh_max_dim=x.shape[-1]):
         return reference.hash_codes(x, proj)
     flat = _lastdim(x.reshape(-1, x.shape[-1]))
     words = -(-proj.shape[0] // WORD_BITS)
@@ -266,7 +269,8 @@ def compact_prompt(buf, k, v, pos, valid, scores, rank, prefix: int, ring: int) 
         _fail(op, f"prefix ({prefix}) + ring ({ring}) must equal the buffer's {buf.capacity} "
                   f"committed slots, below the prompt's {s} tokens")
     module = _buffer_module(buf)
-    if module is None or s > 4096 or k.device != buf.k.device or k.dtype != buf.k.dtype:
+    if module is None or not ext.within(module, compact_max_seq=s) or \
+            k.device != buf.k.device or k.dtype != buf.k.dtype:
         return reference.compact_prompt(buf, k, v, pos, valid, scores, rank, prefix, ring)
     as_f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
     module.compact_prompt(_lastdim(k), _lastdim(v), pos.to(torch.int32).contiguous(),
@@ -287,7 +291,7 @@ def buzz_pass(buf, n: int, k: int, w: int, T: int, s: int, used: int | None = No
     if used is not None and not 0 <= used <= n:
         _fail("buzz_pass", f"used ({used}) must be in [0, n={n}]")
     module = _buffer_module(buf)
-    if module is None or n > 3072 or buf.k.shape[-1] > 256:
+    if module is None or not ext.within(module, buzz_max_slots=n, buzz_max_dim=buf.k.shape[-1]):
         kept = reference.buzz_pass(buf, n, k, w, T, s, used)
     else:
         kept = module.buzz_pass(buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, n, k, w,
@@ -298,11 +302,11 @@ def buzz_pass(buf, n: int, k: int, w: int, T: int, s: int, used: int | None = No
     buf.touch_all()
 
 
-def cascade_update(buf, probs, sinks: int, gamma: float, reduce: str, window: int,
-                   tie_replace: bool = False, eager_fill: bool = False) -> None:
+def cascade_update(buf, sub: SubCaches, probs, sinks: int, gamma: float, reduce: str,
+                   window: int, tie_replace: bool = False, eager_fill: bool = False) -> None:
     """Cascade's decode step for every row: the attention EMA of slots [sinks, n) in
     `buf.state` (probs (R, g, n) fp32, reduced over each sequence's kv heads by `reduce`), then
-    the scratch token's insertion into the sub-caches `buf.cascade_*` (Algorithm 1)."""
+    the scratch token's insertion into the sub-caches `sub` (Algorithm 1)."""
     op = "cascade_update"
     if reduce not in REDUCTIONS:
         _fail(op, f"reduce must be one of {', '.join(REDUCTIONS)} (got {reduce!r})")
@@ -311,16 +315,17 @@ def cascade_update(buf, probs, sinks: int, gamma: float, reduce: str, window: in
     if probs.shape[-1] > buf.capacity + 1:
         _fail(op, f"probs cover {probs.shape[-1]} slots, more than the buffer's "
                   f"{buf.capacity + 1}")
-    kv = getattr(buf, "kv_heads", 1)
-    levels = buf.cascade_size.numel()
+    kv = buf.kv_heads
+    levels = sub.size.numel()
     module = _buffer_module(buf)
-    if module is None or levels > 16 or kv > 128:
-        return reference.cascade_update(buf, probs, sinks, gamma, reduce, window, tie_replace,
-                                        eager_fill)
+    if module is None or not ext.within(module, cascade_max_levels=levels,
+                                        cascade_max_kv_heads=kv):
+        return reference.cascade_update(buf, sub, probs, sinks, gamma, reduce, window,
+                                        tie_replace, eager_fill)
     done = torch.zeros(rows // kv, dtype=torch.int32, device=probs.device)
     moved_to = module.cascade_update(
         buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, probs.contiguous(),
-        buf.cascade_start, buf.cascade_count, buf.cascade_size.view(-1), done, sinks, kv,
+        sub.start, sub.count, sub.size.view(-1), done, sinks, kv,
         float(gamma), 1.0 - float(gamma), REDUCTIONS[reduce], bool(tie_replace),
         bool(eager_fill), ext.stream(buf.k))
     buf.mark(moved_to)

@@ -3,11 +3,13 @@
 torch's just-in-time `load` needs ninja; where it is missing, `ext.load` builds with these
 commands instead. CI uses the same commands on CPU machines (tests/test_cuda_build.py): every
 cuda/*.cu with nvcc for sm_75, sm_80 and sm_90, the binding against the installed (CPU) torch,
-and the link. Sources: the repository's cuda/ folder.
+and the link. Sources: the installed package `flexevict.cuda_sources` (setup.py ships the
+repository's cuda/ folder as it), else a source checkout's cuda/ folder.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.resources
 import os
 import shutil
 import subprocess
@@ -16,7 +18,18 @@ from pathlib import Path
 
 import torch
 
-SOURCE_DIR = Path(__file__).resolve().parents[3] / "cuda"
+
+def source_dir() -> Path:
+    """The folder of the CUDA sources: the package flexevict.cuda_sources, installed with
+    flexevict; else the cuda/ folder of the checkout this file is in (an editable install made
+    before that package existed, or the tree run in place)."""
+    try:
+        return Path(str(importlib.resources.files("flexevict.cuda_sources")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[3] / "cuda"
+
+
+SOURCE_DIR = source_dir()
 CI_ARCHS = ("75", "80", "90")
 STRICT = ["-Wall", "-Wextra", "-Werror"]       # the binding's own code (torch headers excluded)
 

@@ -16,6 +16,7 @@ import torch
 from flexevict.core.kernels import ext
 
 LEVELS = 15
+GROUP = 64              # elements per group by default (FlexGen's): weights and the KV cache
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -74,7 +75,7 @@ def _check(x: torch.Tensor, group: int, dim: int) -> int:
     return dim % x.dim()
 
 
-def quantize_4bit(x: torch.Tensor, group: int = 64, dim: int = -1) -> Packed4bit:
+def quantize_4bit(x: torch.Tensor, group: int = GROUP, dim: int = -1) -> Packed4bit:
     """Quantise x (any shape, float32/16, bfloat16) in groups of `group` along `dim`."""
     dim = _check(x, group, dim)
     outer, length, inner = _layout(x.shape, dim)

@@ -8,6 +8,8 @@ slots, S prompt length, B batch, H / Hk query / kv heads.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -331,23 +333,31 @@ def reduce_heads(x: torch.Tensor, kv_heads: int, how: str) -> torch.Tensor:
     return r.unsqueeze(-1).expand(n, rows // kv_heads, kv_heads).reshape(n, rows)
 
 
-def cascade_plan(buf: KVBuffer, mu, t, sinks: int, window: int, tie_replace: bool,
-                 eager_fill: bool):
+class SubCaches(NamedTuple):
+    """Cascade's N circular sub-caches after the sink slots: per row, each one's oldest entry
+    `start` and fill `count` (N, R) int64 (state: it moves with the buffer); for all rows, each
+    one's first slot `base`, `size` and acceptance `period` (N, 1) int64 (constants)."""
+    start: torch.Tensor
+    count: torch.Tensor
+    base: torch.Tensor
+    size: torch.Tensor
+    period: torch.Tensor
+
+
+def cascade_plan(buf: KVBuffer, sub: SubCaches, mu, t, sinks: int, window: int,
+                 tie_replace: bool, eager_fill: bool):
     """One insertion (Cascade's Algorithm 1) of the token in the scratch slot, for every row at
     once (rows of a ragged batch have different t, hence their own counters).
 
-    mu (slots, R) scores, t (R,) int64 token index; the buffer's sub-cache layout
-    `buf.cascade_*` (see policies/cascade.py) after `sinks` sink slots, `window` = the
-    sub-caches' total size. Updates the
-    per-row start/count and returns (src, dst), both (N + 1, R): one simultaneous move (all
+    mu (slots, R) scores, t (R,) int64 token index; `sub` the sub-caches after `sinks` sink
+    slots, `window` = their total size. Updates sub.start/count and returns (src, dst), both (N + 1, R): one simultaneous move (all
     sources read before any destination is written) that performs the whole cascade; pairs that
     do nothing read and write the scratch slot.
     """
     sc, S = buf.scratch, sinks
-    start, count = buf.cascade_start, buf.cascade_count
-    base, size = buf.cascade_base, buf.cascade_size
+    start, count, base, size = sub.start, sub.count, sub.base, sub.size
     sink = t < S
-    acc = (t - S).remainder(buf.cascade_period) == 0                      # (N, R)
+    acc = (t - S).remainder(sub.period) == 0                              # (N, R)
     if eager_fill:
         acc = acc | (count.sum(0) < window)
     full, empty = count == size, count == 0
@@ -375,15 +385,15 @@ def cascade_plan(buf: KVBuffer, mu, t, sinks: int, window: int, tie_replace: boo
     return torch.cat([scratch, src]), torch.cat([sink_dst, dst])
 
 
-def cascade_update(buf: KVBuffer, probs, sinks: int, gamma: float, reduce: str, window: int,
-                   tie_replace: bool = False, eager_fill: bool = False) -> None:
+def cascade_update(buf: KVBuffer, sub: SubCaches, probs, sinks: int, gamma: float, reduce: str,
+                   window: int, tie_replace: bool = False, eager_fill: bool = False) -> None:
     """Cascade's full decode step: every non-sink slot's EMA mu <- gamma mu + (1 - gamma) s of
     this step's attention s (probs (R, g, n), summed over the group, reduced over a sequence's
     kv heads), kept in `buf.state`; then the scratch token's insertion (`cascade_plan`)."""
     S, n = sinks, probs.shape[-1]
-    s = reduce_heads(kv_head_probs(probs), getattr(buf, "kv_heads", 1), reduce)   # (n, R)
+    s = reduce_heads(kv_head_probs(probs), buf.kv_heads, reduce)          # (n, R)
     buf.state[S:n].mul_(gamma).add_(s[S:], alpha=1.0 - gamma)
-    src, dst = cascade_plan(buf, buf.state, buf.pos[buf.scratch].to(torch.int64), sinks,
+    src, dst = cascade_plan(buf, sub, buf.state, buf.pos[buf.scratch].to(torch.int64), sinks,
                             window, tie_replace, eager_fill)
     buf.move(src, dst)
     buf.valid[buf.scratch] = False

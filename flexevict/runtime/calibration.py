@@ -1,0 +1,826 @@
+"""This machine's measured rates for the placement cost model (costmodel.py), and where they
+are kept; `python -m flexevict.calibrate` is its command line.
+
+What is measured (each the best of a few repeats, on data larger than the CPU caches where a
+rate is meant to be a memory or link rate):
+
+- links: host-to-device and device-to-host bandwidth from pinned and from pageable memory. On a
+  CPU-only machine the "device" is the CPU and every link is the memcpy the engine's cpu-tier
+  copies do (a cache load is `copy_` between two host buffers).
+- disk: write and read bandwidth of files under --offload-dir, the way the engine uses them: a
+  fresh file mapped with `torch.from_file`, written through the mapping, then read through a new
+  mapping. Without root the page cache cannot be dropped, so the read is served from the page
+  cache (minor faults), not the device: a run whose disk tier does not fit in free RAM reads
+  slower than this.
+- per compute device and dtype: matrix-multiply throughput on the engine's path (oneDNN-packed
+  weights on a CPU in fp32, `model.PackedWeight`) at a prefill shape (flop/s) and at decode
+  shapes (weight bytes/s, streaming more weights than the caches hold, and re-reading a layer
+  that fits the last-level cache); the cost of preparing a streamed weight for compute (the
+  oneDNN reorder the engine does per use on a CPU, by layer size); element-wise memory
+  bandwidth; 4-bit quantize/dequantize; decode attention per cached slot; causal prefill
+  attention and H2O's prompt column sums (flop/s); a one-layer probe's prefill halves (the
+  element-wise work besides matmuls and attention); and the fixed cost of each
+  schedule-layer cell and of each lane job, from the real engine on a tiny model (a small
+  model's step is mostly this).
+- on a CPU, the real engine on a six-layer probe model, with every weight in memory and with
+  every weight streamed from the cpu tier: the cost model scales its CPU compute and streaming
+  terms to reproduce those steps (costmodel.CostModel._efficiency).
+- per policy (measured on first use of that policy): its hooks' cost per decode step, fixed and
+  per (slot x row), and its prefill hook per (prompt token x row).
+
+On a machine shared with other work a disturbance lasts seconds, longer than one measurement's
+repeats: each device constant is the median of ROUNDS rounds (5 on a CPU, 3 on a GPU), the
+engine probe the median of 3 runs; about 90 s on a 2-core CPU, `--quick` a few seconds.
+
+The result is cached per machine (device name, torch version, threads) as JSON in
+$FLEXEVICT_CACHE_DIR, else $XDG_CACHE_HOME/flexevict/, else ~/.cache/flexevict/; commands that
+need it calibrate on first use. `--calibration FILE` (plan, bench, generate, eval), or the
+environment variable FLEXEVICT_CALIBRATION=FILE, reads a file instead (nothing is measured or
+written then), e.g. one written with --out or --synthetic.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+
+import torch
+
+from flexevict.errors import UserError
+from flexevict.runtime.machine import device_name
+
+SCHEMA = 2
+MB = 1 << 20
+# Hidden sizes of the layers whose weights' prepare cost is measured (4 to 120 MB a layer).
+PREPARE_HIDDEN = (256, 512, 768, 1024, 1536, 2048)
+# Datasheet numbers for --synthetic (rates achievable in practice, about 60-85% of peak); the
+# overheads are typical CUDA-launch-bound values. Not measured: say so wherever used.
+SYNTHETIC = {
+    "h100": {"name": "NVIDIA H100 80GB HBM3 (synthetic)", "gemm": 600e12, "mem": 2.8e12,
+             "h2d_pinned": 50e9, "h2d_pageable": 20e9, "d2h_pinned": 50e9,
+             "d2h_pageable": 18e9, "disk_read": 3e9, "disk_write": 2e9, "cpu_cores": 16,
+             "cpu_mem": 150e9, "cpu_gemm": 1.5e12, "memory_gb": 80, "host_memory_gb": 128},
+}
+
+
+# ---------------------------------------------------------------------------- where it lives
+
+def cache_dir() -> str:
+    """$FLEXEVICT_CACHE_DIR, else $XDG_CACHE_HOME/flexevict, else ~/.cache/flexevict."""
+    if os.environ.get("FLEXEVICT_CACHE_DIR"):
+        return os.path.expanduser(os.environ["FLEXEVICT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "flexevict")
+
+
+def machine_key(device: torch.device, threads: int) -> dict:
+    return {"device": device_name(device), "torch": torch.__version__, "threads": threads}
+
+
+def cache_path(key: dict) -> str:
+    slug = re.sub(r"[^a-z0-9.]+", "-", f"{key['device']}-torch{key['torch']}-t{key['threads']}"
+                  .lower()).strip("-")
+    return os.path.join(cache_dir(), f"calibration-{slug}.json")
+
+
+# ---------------------------------------------------------------------------- the record
+
+class Calibration:
+    """The measured constants (a JSON dict) and where they are kept; sections for a compute
+    device and dtype, and for a policy, are measured on first use and saved."""
+
+    def __init__(self, data: dict, path: str | None, measure_ok: bool = True):
+        self.data, self.path, self.measure_ok = data, path, measure_ok
+
+    @property
+    def synthetic(self) -> bool:
+        return bool(self.data.get("synthetic"))
+
+    @property
+    def quick(self) -> bool:
+        return bool(self.data.get("quick"))
+
+    def link(self, name: str) -> float:
+        return self.data["links"][name]
+
+    def host(self, name: str):
+        return self.data["host"][name]
+
+    def device(self, device: torch.device, dtype: torch.dtype) -> dict:
+        """Compute constants of (device, dtype), measured now if missing."""
+        key = f"{torch.device(device).type}:{dtype_name(dtype)}"
+        devices = self.data.setdefault("devices", {})
+        if key not in devices:
+            alike = [k for k in devices if k.startswith(f"{torch.device(device).type}:")]
+            if alike and (self.synthetic or not self.measure_ok):
+                return devices[alike[0]]     # a file made elsewhere: the same device, another dtype
+            self._need_measuring(key)
+            devices[key] = measure_device(torch.device(device), dtype, self.quick)
+            self.save()
+        return devices[key]
+
+    def policy(self, spec, device: torch.device, dtype: torch.dtype) -> dict:
+        """Hook costs of a policy (name and arguments) on (device, dtype)."""
+        key = f"{torch.device(device).type}:{dtype_name(dtype)}:{spec.name}:{sorted(spec.args)}"
+        table = self.data.setdefault("policies", {})
+        if key not in table:
+            if self.synthetic or not self.measure_ok:
+                return synthetic_policy(self.data)
+            table[key] = measure_policy(spec, torch.device(device), dtype, self.quick)
+            self.save()
+        return table[key]
+
+    def _need_measuring(self, what: str):
+        if self.synthetic or not self.measure_ok:
+            src = self.path or "the calibration"
+            raise UserError(f"{src} has no measurements for {what} and cannot measure them on "
+                            "this machine; give a calibration made on the target machine "
+                            "(python -m flexevict.calibrate there) or drop --calibration")
+
+    def save(self):
+        if self.path and self.measure_ok:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            tmp = self.path + ".partial"
+            with open(tmp, "w") as f:
+                json.dump(self.data, f, indent=1)
+            os.replace(tmp, self.path)
+
+
+def load(device: torch.device, threads: int | None = None, offload_dir: str | None = None,
+         path: str | None = None, recalibrate: bool = False, quick: bool = False,
+         log=print) -> Calibration:
+    """The calibration for this machine (measured now if not cached), or the file `path`."""
+    path = path or os.environ.get("FLEXEVICT_CALIBRATION")
+    if path:
+        return read_file(path)
+    threads = threads or torch.get_num_threads()
+    key = machine_key(device, threads)
+    where = cache_path(key)
+    if not recalibrate and os.path.isfile(where):
+        try:
+            with open(where) as f:
+                data = json.load(f)
+            if data.get("schema") == SCHEMA and data.get("machine") == key:
+                return Calibration(data, where)
+        except (OSError, json.JSONDecodeError):
+            pass                                      # a broken cache is measured again
+    log(f"calibrating this machine (once; cached in {where})", file=sys.stderr)
+    t0 = time.perf_counter()
+    with _threads(threads):
+        cal = Calibration(measure_machine(device, offload_dir, quick) | {"machine": key}, where)
+        cal.device(device, default_dtype(device))
+        if device.type == "cuda":        # attention where a CPU cache lives (--cpu-cache-compute)
+            cal.device(torch.device("cpu"), default_dtype(device))
+    cal.save()
+    log(f"calibrated in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return cal
+
+
+def read_file(path: str) -> Calibration:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise UserError(f"--calibration {path}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--calibration {path}: not a calibration JSON ({e.msg}); write one "
+                        "with python -m flexevict.calibrate --out FILE") from None
+    if data.get("schema") != SCHEMA or "links" not in data:
+        raise UserError(f"--calibration {path}: not a calibration of schema {SCHEMA}; write "
+                        "one with python -m flexevict.calibrate --out FILE")
+    return Calibration(data, path, measure_ok=False)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if torch.device(device).type == "cpu" else torch.float16
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class _threads:
+    def __init__(self, n):
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self):
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
+# ---------------------------------------------------------------------------- timing
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn, device="cpu", repeats: int = 5, median: bool = False) -> float:
+    """Seconds of fn(): the best of `repeats` after one warm-up call (on a shared machine the
+    best is the least disturbed), or their median (for work that a run does over and over,
+    like streaming weights, whose typical time is what the engine sees)."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return _median(times) if median else min(times)
+
+
+def _fit(xs, ts) -> tuple[float, float]:
+    """Least-squares line t = a + b x, a and b clipped at 0 -> (a, b)."""
+    n = len(xs)
+    mx, mt = sum(xs) / n, sum(ts) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    b = max(sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var, 0.0) if var else 0.0
+    return max(mt - b * mx, 0.0), b
+
+
+# ---------------------------------------------------------------------------- the machine
+
+def measure_machine(device: torch.device, offload_dir: str | None, quick: bool) -> dict:
+    """Links, disk and host constants (the compute sections come per device and dtype)."""
+    links = measure_links(device, (32 if quick else 256) * MB)
+    disk = measure_disk(offload_dir or tempfile.gettempdir(), (32 if quick else 256) * MB)
+    gpu_gb = torch.cuda.get_device_properties(device).total_memory / (1 << 30) \
+        if device.type == "cuda" else None
+    return {"schema": SCHEMA, "quick": quick, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "gpu_memory_gb": gpu_gb,
+            "links": {**links, **disk},
+            "host_memory_gb": _mem_total_gb(),
+            "host": {"cores": _cores(), "parallel": measure_parallel(quick),
+                     "lane_job_s": measure_lane_job(device),
+                     "disk_note": "read from the page cache through a fresh mapping of a "
+                                  "just-written file (the cache cannot be dropped without root)"}}
+
+
+def measure_links(device: torch.device, nbytes: int) -> dict:
+    """Bytes/s of host<->device copies, pinned and pageable. Without CUDA: the host memcpy."""
+    if device.type != "cuda":
+        a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        a.fill_(1)
+        bw = nbytes / best_time(lambda: b.copy_(a))
+        return {k: bw for k in ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable")}
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for pinned in (True, False):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        tag = "pinned" if pinned else "pageable"
+        out[f"h2d_{tag}"] = nbytes / best_time(lambda: gpu.copy_(host, non_blocking=pinned),
+                                               device)
+        out[f"d2h_{tag}"] = nbytes / best_time(lambda: host.copy_(gpu, non_blocking=pinned),
+                                               device)
+    return out
+
+
+def measure_disk(folder: str, nbytes: int) -> dict:
+    """Write and read bytes/s of a file under `folder` through torch.from_file mappings, as
+    the engine's disk tier uses them (see the module docstring for what the read measures)."""
+    folder = os.path.expanduser(folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix="calibrate-", suffix=".bin", dir=folder)
+        os.close(fd)
+    except OSError as e:
+        raise UserError(f"--offload-dir {folder}: cannot write a test file there "
+                        f"({e.strerror}); give a writable directory") from None
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    try:
+        writes, reads = [], []
+        for _ in range(3):
+            with open(path, "wb") as f:
+                f.truncate(nbytes)                       # a fresh sparse file, as the engine
+            t0 = time.perf_counter()
+            torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).copy_(src)
+            writes.append(time.perf_counter() - t0)
+            dst = torch.empty(nbytes, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            dst.copy_(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8))
+            reads.append(time.perf_counter() - t0)
+    finally:
+        os.remove(path)
+    return {"disk_write": nbytes / min(writes), "disk_read": nbytes / min(reads)}
+
+
+def _mem_total_gb() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return None
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def measure_parallel(quick: bool) -> float:
+    """How many threads of CPU work run at once here: the speed-up of one piece of work per
+    core run on that many threads at once over one thread, in [1, cores]. On a machine shared
+    with other processes this is what is left to the engine's lanes (at calibration time)."""
+    import threading
+    cores = _cores()
+    if cores < 2:
+        return 1.0
+    x = torch.randn(256, 256)
+
+    def work():
+        with _threads(1):
+            for _ in range(40 if quick else 200):
+                x @ x
+    one = best_time(work, repeats=3)
+
+    def together():
+        ts = [threading.Thread(target=work) for _ in range(cores)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    return min(max(cores * one / best_time(together, repeats=3), 1.0), float(cores))
+
+
+def measure_lane_job(device: torch.device) -> float:
+    """Seconds one job on a threaded lane costs the submitting thread (submit + wait)."""
+    from flexevict.runtime.offload import Lane
+    lane = Lane("calibrate", device, threaded=True)
+    try:
+        n = 200
+        return best_time(lambda: [lane.submit(lambda: None).wait() for _ in range(n)],
+                         repeats=3) / n
+    finally:
+        lane.close()
+
+
+# ---------------------------------------------------------------------------- compute
+
+# each device constant: the median of this many rounds, spread over time (a shared CPU is the
+# noisier, and its rounds are cheaper than its share of a minute on a GPU machine)
+ROUNDS = {"cpu": 5, "cuda": 3}
+
+
+def measure_device(device: torch.device, dtype: torch.dtype, quick: bool) -> dict:
+    """Compute constants of one device and dtype (see the module docstring). On a machine
+    shared with other work a disturbance can last seconds, longer than one measurement's
+    repeats (each the best of a few), so everything is measured in ROUNDS rounds spread over
+    time and each constant keeps its median (`_median_of`): what a run of many steps meets."""
+    from flexevict.core.model import onednn_usable
+    pack = onednn_usable(device, dtype)
+    rounds = []
+    for _ in range(1 if quick else ROUNDS.get(device.type, 3)):
+        out = {"pack": pack}
+        out.update(measure_matmul(device, dtype, quick))
+        out["prepare"] = measure_prepare(device, dtype, quick) if pack else {}
+        out["mem_bw"] = measure_mem_bw(device, (32 if quick else 256) * MB)
+        out.update(measure_quant(device, dtype, quick))
+        out.update(measure_attention(device, dtype, quick))
+        out["overhead"] = {arch: measure_overheads(arch, device, dtype, quick)
+                           for arch in ("opt", "llama")}
+        out["probe"] = {arch: measure_probe(arch, device, dtype, quick)
+                        for arch in ("opt", "llama")}
+        rounds.append(out)
+    out = _median_of(rounds)
+    if device.type == "cpu":      # on a GPU a model this small is launch-bound
+        out["engine_probe"] = _median_of([{arch: measure_engine_probe(arch, device, dtype, quick)
+                                           for arch in ("opt", "llama")}
+                                          for _ in range(1 if quick else 3)])
+    return out
+
+
+def _median_of(rounds: list):
+    """Merge rounds of the same measurements: every number (and the rate column of a [size,
+    rate] table) keeps its median; flags, sizes and strings are alike in every round."""
+    first = rounds[0]
+    if isinstance(first, dict):
+        return {k: _median_of([r[k] for r in rounds]) for k in first}
+    if isinstance(first, list) and first and isinstance(first[0], list):   # [[size, rate]]
+        return [[row[0], _median([r[i][1] for r in rounds])] for i, row in enumerate(first)]
+    if isinstance(first, list):                      # [seconds, ...]
+        return [_median([r[i] for r in rounds]) for i in range(len(first))]
+    if isinstance(first, bool) or not isinstance(first, (int, float)):
+        return first
+    return _median(rounds)
+
+
+def _median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def _linear_op(device, dtype, pack: bool):
+    """(prepare(w), apply(x, prepared)) on the engine's path for this device and dtype."""
+    from flexevict.core.model import PackedWeight, linear
+    if pack:
+        return PackedWeight, linear
+    return (lambda w: w), linear
+
+
+def measure_matmul(device, dtype, quick: bool) -> dict:
+    """gemm_flops: (M x K) x (K x N) flop/s at a prefill shape; gemv_bw: weight bytes/s at
+    M = 4 over more weights than the caches hold (decode is a stream of the weights)."""
+    from flexevict.core.model import onednn_usable
+    prep, apply = _linear_op(device, dtype, onednn_usable(device, dtype))
+    gpu = device.type == "cuda"
+    m, k = (4096, 4096) if gpu else ((256, 1024) if quick else (512, 2048))
+    w = prep(torch.randn(k, k, device=device, dtype=dtype))
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    gemm = 2 * m * k * k / best_time(lambda: apply(x, w), device)
+    n_out, n_in = (8192, 4096) if gpu else (3072, 768)
+    total = (512 if gpu else (32 if quick else 256)) * MB
+    elem = torch.empty((), dtype=dtype).element_size()
+    count = max(2, total // (n_out * n_in * elem))
+    ws = [prep(torch.randn(n_out, n_in, device=device, dtype=dtype)) for _ in range(count)]
+    x = torch.randn(4, n_in, device=device, dtype=dtype)
+    t = best_time(lambda: [apply(x, w) for w in ws], device, repeats=3 if quick else 7)
+    llc = last_level_cache(device)
+    hot = ws[:max(1, (llc // 4) // (n_out * n_in * elem))]       # a quarter of the cache
+    t_hot = best_time(lambda: [apply(x, w) for w in hot], device, repeats=3 if quick else 7)
+    return {"gemm_flops": gemm, "gemv_bw": count * n_out * n_in * elem / t,
+            "gemv_hot_bw": len(hot) * n_out * n_in * elem / t_hot, "llc_bytes": llc}
+
+
+def last_level_cache(device) -> int:
+    """Bytes of the last-level cache (the CPU's from sysfs, the GPU's L2): a layer's weights
+    that fit stay there for the next GPU batch of the same layer (default 32 MB)."""
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 32 * MB
+    best = 0
+    for index in range(8):
+        folder = f"/sys/devices/system/cpu/cpu0/cache/index{index}"
+        try:
+            with open(f"{folder}/level") as f:
+                level = int(f.read())
+            with open(f"{folder}/size") as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        size = int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1], 0)
+        if level >= 2 and size > best:
+            best = size
+    return best or 32 * MB
+
+
+def measure_prepare(device, dtype, quick: bool) -> dict:
+    """The oneDNN reorder of streamed weights, cold, made as the engine makes it: on a lane
+    thread, one layer's packed weights kept until the next layer's are ready -> {"layers":
+    [[bytes of a layer's matrices, bytes/s], ...] for layers of hidden size D (q/k/v, output,
+    up and down projections, streamed in that order: the allocator recycles buffers of mixed
+    sizes less well than of one size), "big": [[bytes, bytes/s]] for one 128 MB matrix (an
+    LM head: above glibc's mmap threshold every reorder writes fresh pages, page faults)}."""
+    from flexevict.core.model import PackedWeight
+    from flexevict.runtime.offload import Lane
+    elem = torch.empty((), dtype=dtype).element_size()
+    lane = Lane("calibrate-prepare", device, threaded=True)
+
+    def rate(layers: list[list[torch.Tensor]]) -> float:
+        def stream():
+            held = [None]          # a layer's packed weights live until the next layer's are
+            for mats in layers:
+                held[0] = lane.submit(lambda m=mats: [PackedWeight(w) for w in m]).wait()
+        nbytes = sum(w.numel() * elem for mats in layers for w in mats)
+        return nbytes / best_time(stream, device, 2 if quick else 5, median=True)
+    out = {"layers": [], "big": []}
+    try:
+        for d in PREPARE_HIDDEN[:2] if quick else PREPARE_HIDDEN:
+            shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
+            size = sum(a * b for a, b in shapes) * elem
+            count = max(2, ((16 if quick else 128) * MB) // size)
+            layers = [[torch.randn(*s, dtype=dtype) for s in shapes] for _ in range(count)]
+            out["layers"].append([size, rate(layers)])
+        if not quick:
+            big = [[torch.randn(32768, 1024, dtype=dtype)] for _ in range(2)]
+            out["big"].append([big[0][0].numel() * elem, rate(big)])
+    finally:
+        lane.close()
+    return out
+
+
+def measure_mem_bw(device, nbytes: int) -> float:
+    """Bytes/s moved by an element-wise op (read + write) on data larger than the caches."""
+    a = torch.ones(nbytes // 4, device=device)
+    b = torch.empty_like(a)
+    return 2 * nbytes / best_time(lambda: b.copy_(a), device)
+
+
+def measure_quant(device, dtype, quick: bool) -> dict:
+    """4-bit group quantisation (FlexGen's scheme) in full-precision bytes/s, each way."""
+    from flexevict.core.kernels.quant import dequantize_4bit, quantize_4bit
+    rows = 1024 if quick else 4096
+    x = torch.randn(rows, 1024, device=device, dtype=dtype)
+    p = quantize_4bit(x, dim=-1)
+    nbytes = x.numel() * x.element_size()
+    return {"quant_bw": nbytes / best_time(lambda: quantize_4bit(x, dim=-1), device, 3),
+            "dequant_bw": nbytes / best_time(lambda: dequantize_4bit(p), device, 3)}
+
+
+def measure_attention(device, dtype, quick: bool) -> dict:
+    """Decode attention (fixed + per slot x row x (g + 2) x d), and the flop/s of causal prefill
+    attention (SDPA, 2 B H S^2 d flops) and of H2O's prompt column sums (B H S^2 d)."""
+    from flexevict.core import kernels
+    from flexevict.core.model import causal_attention
+    r, g, d = 32, 4, 64
+    units, times = [], []
+    for n in (64, 256) if quick else (64, 512, 2048):
+        q = torch.randn(r, g, d, device=device, dtype=dtype)
+        k = torch.randn(n, r, d, device=device, dtype=dtype)
+        valid = torch.ones(n, r, dtype=torch.bool, device=device)
+        score = torch.zeros(n, r, device=device)
+        times.append(best_time(lambda: kernels.decode_attention(q, k, k, valid, 0.1, score),
+                               device))
+        units.append(n * r * (g + 2) * d)
+    fixed, per_unit = _fit(units, times)
+    b, h, s = (1, 8, 128) if quick else (2, 8, 512)
+    q = torch.randn(b, h, s, d, device=device, dtype=dtype)
+    flops = 2 * b * h * s * s * d
+    sdpa = flops / best_time(lambda: causal_attention(q, q, q, None), device, 3)
+    valid = torch.ones(b, s, dtype=torch.bool, device=device)
+    colsum = flops / 2 / best_time(lambda: kernels.prefill_column_sums(q, q, valid, 0.1),
+                                   device, 3)
+    return {"attn_decode": {"fixed_s": fixed, "per_unit_s": per_unit}, "sdpa_flops": sdpa,
+            "colsum_flops": colsum}
+
+
+# ---------------------------------------------------------------------------- fixed costs
+
+def tiny_config(arch: str, layers: int):
+    from flexevict.core.config import ModelConfig
+    return ModelConfig(arch=arch, name=f"calibrate-{arch}", vocab_size=128, hidden_size=64,
+                       num_layers=layers, num_heads=4, num_kv_heads=2 if arch == "llama" else 4,
+                       ffn_size=128, max_positions=512, tie_embeddings=False)
+
+
+def _tiny_steps(arch, layers, device, dtype, quick, **placement) -> tuple[float, float]:
+    """(prefill seconds, decode step seconds) of the real engine on a tiny model, 2 GPU batches
+    of 1 sequence, 16 prompt tokens: the step is the engine's fixed costs, nothing else."""
+    from flexevict.runtime.engine import Engine
+    from flexevict.runtime.placement import Placement
+    from flexevict.policies import get_policy
+    from flexevict.io.weights import DummyWeights
+    config = tiny_config(arch, layers)
+    offload = tempfile.mkdtemp(prefix="flexevict-calibrate-")
+    p = Placement(num_gpu_batches=2, offload_dir=offload, **placement)
+    engine = Engine.load(config, DummyWeights(config, 0), p, device, dtype)
+    prompts = [[5] * 16, [7] * 16]
+    steps = 6 if quick else 12
+
+    def greedy(i, k, h, head):
+        return head(h[:, -1] if h.dim() == 3 else h).argmax(dim=-1)
+    try:
+        prefill, decode = math.inf, math.inf
+        for _ in range(2 if quick else 3):
+            st = engine.run(prompts, steps, get_policy("full"), greedy).step_seconds
+            tail = sorted(st[2:])
+            prefill, decode = min(prefill, st[0]), min(decode, tail[len(tail) // 2])
+    finally:
+        engine.close()
+        os.rmdir(offload) if os.path.isdir(offload) and not os.listdir(offload) else None
+    return prefill, decode
+
+
+def measure_overheads(arch: str, device, dtype, quick: bool) -> dict:
+    """Seconds per schedule-layer cell that do not scale with the model, per phase: per block
+    (attention and MLP halves, their cells included) and per embed + head, per GPU batch; per
+    lane job for streamed weights (per stage, a tiny reorder included) and for an offloaded
+    cache (per cell: load + store). From differences of tiny-model step times (L and 2L
+    layers; weights or cache moved to the cpu tier)."""
+    lo, hi = (2, 4) if quick else (4, 8)
+    a = _tiny_steps(arch, lo, device, dtype, quick)
+    b = _tiny_steps(arch, hi, device, dtype, quick)
+    w = _tiny_steps(arch, hi, device, dtype, quick, w_gpu=0, w_cpu=100)
+    kv = _tiny_steps(arch, hi, device, dtype, quick, cache_gpu=0, cache_cpu=100)
+    out = {}
+    for phase, i in (("prefill", 0), ("decode", 1)):
+        block = max(b[i] - a[i], 0.0) / (2 * (hi - lo))            # 2 GPU batches
+        out[phase] = {"block_s": block, "ends_s": max(a[i] - 2 * lo * block, 0.0) / 2,
+                      "weight_job_s": max(w[i] - b[i], 0.0) / (2 * hi + 2),
+                      "cache_job_s": max(kv[i] - b[i], 0.0) / (2 * hi)}
+    return out
+
+
+PROBE = {"batch": 2, "prompt": 128}
+
+
+def probe_config(arch: str):
+    """A one-layer model of realistic width: its measured prefill halves let the cost model
+    count the element-wise work a layer does besides its matmuls and attention."""
+    from flexevict.core.config import ModelConfig
+    return ModelConfig(arch=arch, name=f"probe-{arch}", vocab_size=128, hidden_size=512,
+                       num_layers=1, num_heads=8, num_kv_heads=2 if arch == "llama" else 8,
+                       ffn_size=1536, max_positions=512, tie_embeddings=False)
+
+
+def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
+    """Seconds of the probe model's attention and MLP halves in a prefill of PROBE's batch and
+    prompt (policy full), each the best of a few."""
+    from flexevict.runtime.engine import allocate
+    from flexevict.core.model import Transformer
+    from flexevict.policies import get_policy
+    from flexevict.io.weights import DummyWeights
+    config = probe_config(arch)
+    model = Transformer.load(config, DummyWeights(config, 0), device=device, dtype=dtype)
+    b, s = PROBE["batch"], PROBE["prompt"]
+    tokens = torch.randint(4, config.vocab_size, (b, s), device=device)
+    pos = torch.arange(s, device=device).expand(b, s)
+    valid = torch.ones(b, s, dtype=torch.bool, device=device)
+    policy = get_policy("full")
+    cap = policy.capacity(s, 1)
+    with torch.inference_mode():
+        inp = model.step_input(pos, valid)
+        h = model.embed(tokens, inp)
+        w = model.layers[0]
+
+        def attn():
+            model.attention_half(w, h, inp, allocate(model, cap, b)[0], policy)
+        mid = model.attention_half(w, h, inp, allocate(model, cap, b)[0], policy)
+        repeats = 3 if quick else 15
+        return {"attn_s": best_time(attn, device, repeats),
+                "mlp_s": best_time(lambda: model.mlp_half(w, mid), device, repeats), **PROBE}
+
+
+ENGINE_PROBE = {"layers": 6, "gpu_batch_size": 4, "num_gpu_batches": 2, "prompt": 128, "gen": 32}
+
+
+def engine_probe_config(arch: str):
+    """A six-layer model of a small LLM's width (OPT-125M's hidden size): the real engine's
+    steps on it, with every weight in memory and with every weight streamed from the cpu tier,
+    are what the cost model is checked against at calibration time (see
+    costmodel.CostModel._efficiency)."""
+    import dataclasses
+    return dataclasses.replace(probe_config(arch), name=f"engine-probe-{arch}",
+                               num_layers=ENGINE_PROBE["layers"], vocab_size=4096,
+                               hidden_size=768, ffn_size=2304, num_heads=12,
+                               num_kv_heads=4 if arch == "llama" else 12)
+
+
+def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
+    """{placement: [prefill seconds, median decode step seconds]} of the real engine on the
+    engine probe, for "memory" (all in memory) and "stream" (weights on the cpu tier): a
+    warm-up run, then the median of a run's steps after its first quarter (streaming settles
+    over a few steps: the allocator learns to recycle the reordered weights' buffers)."""
+    from flexevict.runtime.engine import Engine
+    from flexevict.runtime.placement import Placement
+    from flexevict.policies import get_policy
+    from flexevict.io.weights import DummyWeights
+    config = engine_probe_config(arch)
+    e = ENGINE_PROBE
+    n = e["gpu_batch_size"] * e["num_gpu_batches"]
+    prompts = torch.randint(4, config.vocab_size, (n, e["prompt"])).tolist()
+
+    def greedy(i, k, h, head):
+        return head(h[:, -1] if h.dim() == 3 else h).argmax(dim=-1)
+    out = {**e}
+    for label, percent in (("memory", (100, 0, 100, 0, 100, 0)),
+                           ("stream", (0, 100, 100, 0, 100, 0))):
+        p = Placement(*percent, gpu_batch_size=e["gpu_batch_size"],
+                      num_gpu_batches=e["num_gpu_batches"])
+        engine = Engine.load(config, DummyWeights(config, 0), p, device, dtype)
+        try:
+            steps = 8 if quick else e["gen"]
+            engine.run(prompts, 8, get_policy("full"), greedy)
+            st = engine.run(prompts, steps, get_policy("full"), greedy).step_seconds
+        finally:
+            engine.close()
+        out[label] = [st[0], _median(st[max(2, steps // 4):])]
+    return out
+
+
+# ---------------------------------------------------------------------------- policies
+
+def measure_policy(spec, device, dtype, quick: bool) -> dict:
+    """A policy's hooks on a bare KV buffer: per decode step (before + after attention, the
+    fused score accumulation included) fixed + per (slot x row); prefill (compaction of a
+    prompt twice the buffer) fixed + per (prompt token x row)."""
+    rows, d, g = 16, 64, 2
+    caps = (32, 128) if quick else (64, 512)
+    dec, pre = [], []
+    for cap in caps:
+        dec.append(_policy_decode(spec, device, dtype, rows, d, g, cap, quick))
+        pre.append(_policy_prefill(spec, device, dtype, rows, d, g, cap))
+    df, dp = _fit([c * rows for c in caps], dec)
+    pf, pp = _fit([_prompt_len(spec, c) * rows for c in caps], pre)
+    return {"decode": {"fixed_s": df, "per_slot_row_s": dp},
+            "prefill": {"fixed_s": pf, "per_token_row_s": pp}}
+
+
+def _prompt(device, dtype, s, rows, d, g):
+    k = torch.randn(s, rows, d, device=device, dtype=dtype)
+    pos = torch.arange(s, device=device, dtype=torch.int32)[:, None].expand(s, rows).contiguous()
+    valid = torch.ones(s, rows, dtype=torch.bool, device=device)
+    scores = torch.rand(s, rows, device=device)
+    q = torch.randn(s, rows, g, d, device=device, dtype=dtype)
+    return k, pos, valid, scores, q
+
+
+def _fresh(spec, device, dtype, rows, d, cap, s):
+    """A policy from spec with cap committed slots for an s-token prompt (a policy that keeps
+    every token gets room for all of them), and its buffer -> (policy, buffer)."""
+    import dataclasses
+    from flexevict.core.kv import KVBuffer
+    try:
+        policy = dataclasses.replace(spec, budget=None, budget_tokens=cap + 1).make()
+        policy.capacity(s, 8)
+    except UserError:                  # `full`: no budget; its buffer holds prompt + decode
+        policy = dataclasses.replace(spec, budget=None, budget_tokens=None).make()
+        policy.capacity(s, cap - s + 1)
+    return policy, KVBuffer(policy.slots - 1, rows, d, dtype, device, kv_heads=1,
+                            fields=policy.fields())
+
+
+def _prompt_len(spec, cap) -> int:
+    """Prompt tokens for the measurement: twice the buffer (a compaction), or half of it for a
+    policy that keeps every token."""
+    return cap // 2 if not spec.make().evicts and spec.budget is None and \
+        spec.budget_tokens is None else 2 * cap
+
+
+def _prefill(policy, buf, k, pos, valid, scores, q):
+    extra = {"q": q} if policy.needs_prompt_queries else {}
+    policy.prefill(buf, k, k, pos, valid, scores, **extra)
+
+
+def _policy_prefill(spec, device, dtype, rows, d, g, cap) -> float:
+    s = _prompt_len(spec, cap)
+    k, pos, valid, scores, q = _prompt(device, dtype, s, rows, d, g)
+
+    def run():
+        policy, buf = _fresh(spec, device, dtype, rows, d, cap, s)
+        _prefill(policy, buf, k, pos, valid, scores, q)
+    return best_time(run, device, 3)
+
+
+def _policy_decode(spec, device, dtype, rows, d, g, cap, quick) -> float:
+    """Seconds per decode step of the hooks alone, once the buffer is full."""
+    from flexevict.core.model import attend
+    s = _prompt_len(spec, cap)
+    k, pos, valid, scores, q = _prompt(device, dtype, s, rows, d, g)
+    policy, buf = _fresh(spec, device, dtype, rows, d, cap, s)
+    _prefill(policy, buf, k, pos, valid, scores, q)
+    steps = 8 if quick else 24
+    spent = []
+    for i in range(steps):
+        qi = torch.randn(rows, g, d, device=device, dtype=dtype)
+        kv = torch.randn(rows, d, device=device, dtype=dtype)
+        slot = buf.incoming_slot()
+        buf.write(slot, kv, kv, torch.full((rows,), s + i, dtype=torch.int32, device=device))
+        _sync(device)
+        t0 = time.perf_counter()
+        policy.before_attention(buf, slot, qi)
+        t1 = time.perf_counter()
+        scored = policy.accumulates_attention          # as the model: fused into attention
+        _, probs = attend(qi, buf, buf.attended(slot), d ** -0.5, score=scored)
+        _sync(device)
+        t2 = time.perf_counter()
+        policy.after_attention(buf, slot, probs, scored=scored)
+        _sync(device)
+        spent.append((t1 - t0) + (time.perf_counter() - t2))
+    tail = sorted(spent[2:])
+    return tail[len(tail) // 4]                       # a low quantile: the least disturbed
+
+
+def synthetic_policy(data: dict) -> dict:
+    """Hook costs where none were measured (a synthetic calibration): launch-bound constants."""
+    return {"decode": {"fixed_s": 60e-6, "per_slot_row_s": 0.0},
+            "prefill": {"fixed_s": 200e-6, "per_token_row_s": 0.0}}
+
+
+# ---------------------------------------------------------------------------- synthetic
+
+def synthetic(kind: str) -> dict:
+    """A calibration from datasheet numbers (marked synthetic): plans for a machine you do not
+    have (the H2O check of OPT-6.7B on an 80 GB GPU uses kind 'h100')."""
+    if kind not in SYNTHETIC:
+        raise UserError(f"--synthetic {kind}: known kinds are {', '.join(SYNTHETIC)}")
+    s = SYNTHETIC[kind]
+    launch = {"block_s": 150e-6, "ends_s": 100e-6, "weight_job_s": 30e-6,
+              "cache_job_s": 60e-6}
+    gpu = {"pack": False, "gemm_flops": s["gemm"], "gemv_bw": s["mem"], "prepare": {},
+           "gemv_hot_bw": s["mem"], "llc_bytes": 50 * MB,
+           "mem_bw": s["mem"], "quant_bw": s["mem"] / 4, "dequant_bw": s["mem"] / 4,
+           "attn_decode": {"fixed_s": 10e-6, "per_unit_s": 2 / s["mem"]},
+           "sdpa_flops": s["gemm"] / 2, "colsum_flops": s["gemm"] / 4,
+           "overhead": {a: {"prefill": launch, "decode": launch} for a in ("opt", "llama")}}
+    cpu = {**gpu, "gemm_flops": s["cpu_gemm"], "gemv_bw": s["cpu_mem"] / 2,
+           "mem_bw": s["cpu_mem"] / 2, "quant_bw": 5e9, "dequant_bw": 5e9,
+           "attn_decode": {"fixed_s": 20e-6, "per_unit_s": 2 / (s["cpu_mem"] / 2)},
+           "sdpa_flops": s["cpu_gemm"] / 2, "colsum_flops": s["cpu_gemm"] / 4}
+    links = {k: s[k] for k in ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable",
+                               "disk_read", "disk_write")}
+    return {"schema": SCHEMA, "synthetic": True, "quick": False,
+            "machine": {"device": s["name"], "torch": "n/a", "threads": s["cpu_cores"]},
+            "gpu_memory_gb": s["memory_gb"], "host_memory_gb": s["host_memory_gb"],
+            "links": links,
+            "host": {"cores": s["cpu_cores"], "parallel": s["cpu_cores"], "lane_job_s": 30e-6,
+                     "disk_note": "synthetic: datasheet numbers, not measured"},
+            "devices": {"cuda:float16": gpu, "cuda:bfloat16": gpu, "cpu:float32": cpu,
+                        "cpu:float16": cpu, "cpu:bfloat16": cpu}}

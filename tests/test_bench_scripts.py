@@ -1,0 +1,135 @@
+"""Every script under bench/ runs: each is started as `python bench/<script> ...` with tiny
+arguments in its own process, must exit 0 and leave a real output (a JSON it wrote, or the
+table or text it prints). A new script without a case here fails `test_every_script_has_a_case`.
+
+Scripts that need a GPU or a peer package this machine lacks run the part a CPU can: a dry run,
+a table rebuilt from committed results, or `--help` (each case says which)."""
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+SCRIPTS = sorted(os.path.relpath(p, BENCH) for pattern in ("*.py", "*/*.py")
+                 for p in glob.glob(os.path.join(BENCH, pattern)))
+PLACEMENT = os.path.join(BENCH, "results", "placement", "predicted_vs_measured_cpu.json")
+ACCURACY = os.path.join(BENCH, "results", "accuracy")
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_batch_job(out, stdout, tmp):
+    r = _json(out)
+    assert r["bench_throughput"] > 0 and r["job_throughput"] > 0
+    assert r["all_rows_full_length"] and r["run"]["commit"]
+
+
+def check_batching(out, stdout, tmp):
+    r = _json(out)
+    assert r["prompts"] == 2 and r["invariant"]["same_as_alone"] == 2
+    assert r["length-sorted"]["tokens_per_s"] > 0
+
+
+def check_common(out, stdout, tmp):
+    meta = json.loads(stdout)
+    assert {"device", "torch", "cuda", "kernels", "commit"} <= set(meta)
+
+
+def check_placement_table(out, stdout, tmp):
+    assert stdout.strip() == _json(PLACEMENT)["table"].strip()       # the committed tables
+
+
+def check_side_by_side(out, stdout, tmp):
+    r = _json(out)                                   # PREFIX.json
+    (case,) = r["cases"]
+    assert case["case"] == "opt-125m-memory-full" and "| case |" in stdout
+
+
+def check_suites(out, stdout, tmp):
+    assert "call 1: FLEXEVICT_COMMIT=" in stdout
+    assert "-m flexevict.calibrate --device cuda" in stdout
+    assert "min  h2o suite" in stdout and "total " in stdout
+
+
+def check_help(out, stdout, tmp):
+    assert stdout.startswith("usage:")
+
+
+def check_peer_export(out, stdout, tmp):
+    r = _json(out)
+    assert set(r["tasks"]) == {"passkey", "agreement"} and r["gguf"].endswith(".gguf")
+
+
+def check_hf_generate(out, stdout, tmp):
+    r = _json(out)
+    assert r["peer"] == "transformers" and r["batch"] == 2 and r["total_throughput"] > 0
+
+
+def before_tree(tmp) -> str:
+    """A plain source copy of this tree for side_by_side's --before (the script links its
+    policies/ in, so never point it at the shared checkout itself)."""
+    tree = os.path.join(tmp, "before")
+    for name in ("flexevict", "policies"):
+        shutil.copytree(os.path.join(ROOT, name), os.path.join(tree, name),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return tree
+
+
+# script -> (arguments, the check of what it left). In the arguments OUT is the JSON the check
+# reads (tmp/out.json), PREFIX that path less ".json", BEFORE a source copy of this tree.
+CASES = {
+    "batch_job.py": (["--prompt-len", "8", "--gen-len", "2", "--gpu-batch-size", "1",
+                      "--num-gpu-batches", "1", "--blocks", "1", "--repeats", "1",
+                      "--json", "OUT"], check_batch_job),
+    "batching.py": (["--prompts", "2", "--batch-size", "2", "--max-new-tokens", "2",
+                     "--json", "OUT"], check_batching),
+    # not a benchmark: the helpers the others import; run, it prints the metadata they record
+    "common.py": ([], check_common),
+    # the tables from the committed results (the suite itself measures for minutes)
+    "placement_table.py": ([PLACEMENT], check_placement_table),
+    # one CPU case, one round, 2 tokens, against a copy of this same tree
+    "side_by_side.py": (["--before", "BEFORE", "--rounds", "1", "--case", "opt-125m-memory-full",
+                         "--gen-len", "2", "--out", "PREFIX"], check_side_by_side),
+    # the GPU calls' plan (every suite of them needs a GPU; the CPU suite takes minutes)
+    "suites.py": (["gpu", "--dry-run"], check_suites),
+    # kvpress lives in its own environment (transformers < 5.3): its command line only
+    "accuracy/kvpress_peer.py": (["--help"], check_help),
+    # the export half (the compare half needs kvpress's output)
+    "accuracy/peer.py": (["export", "--out", "OUT"], check_peer_export),
+    # FlexGen 0.1.8 runs only on CUDA, from its own environment: its command line only
+    "peers/flexgen_peer.py": (["--help"], check_help),
+    "peers/hf_generate.py": (["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2",
+                              "--gpu-batch-size", "2", "--device", "cpu", "--json", "OUT"],
+                             check_hf_generate),
+}
+
+
+def test_every_script_has_a_case():
+    assert SCRIPTS and set(SCRIPTS) == set(CASES), \
+        f"scripts without a case: {sorted(set(SCRIPTS) - set(CASES))}; " \
+        f"cases without a script: {sorted(set(CASES) - set(SCRIPTS))}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_runs(script, tmp_path):
+    if script not in CASES:
+        pytest.fail(f"bench/{script} has no case in CASES")
+    args, check = CASES[script]
+    out = tmp_path / "out.json"
+    fill = {"OUT": lambda: str(out), "PREFIX": lambda: str(tmp_path / "out"),
+            "BEFORE": lambda: before_tree(str(tmp_path))}
+    args = [fill[a]() if a in fill else a for a in args]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args],
+                          capture_output=True, text=True, cwd=str(tmp_path), env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check(str(out), proc.stdout, str(tmp_path))
