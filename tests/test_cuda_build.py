@@ -141,14 +141,20 @@ class _FakeExtension:
         return launch
 
 
-@pytest.mark.parametrize("limits,kernel", [({}, True), ({"decode_max_dim": 8}, False),
-                                           ({"shared_bytes": 512}, False)])
-def test_decode_attention_takes_its_limits_from_the_module(monkeypatch, limits, kernel):
-    from flexevict.core import kernels
+def install_fake(monkeypatch, limits: dict) -> _FakeExtension:
+    """Dispatch every op to a fake extension with `limits` (the header's, overridden)."""
     from flexevict.core.kernels import ext
     fake = _FakeExtension(**limits)
     monkeypatch.setattr(ext, "module_for", lambda t: fake)
     monkeypatch.setattr(ext, "stream", lambda t: 0)
+    return fake
+
+
+@pytest.mark.parametrize("limits,kernel", [({}, True), ({"decode_max_dim": 8}, False),
+                                           ({"shared_bytes": 512}, False)])
+def test_decode_attention_takes_its_limits_from_the_module(monkeypatch, limits, kernel):
+    from flexevict.core import kernels
+    fake = install_fake(monkeypatch, limits)
     q, k = torch.randn(2, 4, 16), torch.randn(5, 2, 16)
     valid = torch.ones(5, 2, dtype=torch.bool)
     if kernel:
@@ -163,10 +169,7 @@ def test_decode_attention_takes_its_limits_from_the_module(monkeypatch, limits, 
                                            ({"lsh_max_dim": 8}, False)])
 def test_hash_codes_takes_its_limits_from_the_module(monkeypatch, limits, kernel):
     from flexevict.core import kernels
-    from flexevict.core.kernels import ext
-    fake = _FakeExtension(**limits)
-    monkeypatch.setattr(ext, "module_for", lambda t: fake)
-    monkeypatch.setattr(ext, "stream", lambda t: 0)
+    fake = install_fake(monkeypatch, limits)
     x, proj = torch.randn(3, 16), torch.randn(64, 16)
     if kernel:
         with pytest.raises(RuntimeError, match="fake lsh_hash"):

@@ -122,6 +122,18 @@ def test_evicting_policy_round_trips_through_a_cpu_home(name):
     assert hosts(home) == hosts(ref)
 
 
+def test_a_load_counts_the_declared_state_it_reads():
+    """load_into reports the bytes it read: the core tensors and every declared field (the
+    engine's traffic counts them), not only K, V and the per-slot rows."""
+    policy = get_policy("scissorhands", budget_tokens=18)
+    cap = policy.capacity(24, 10)
+    home = _cpu_home(cap, 3, 4, policy.fields())
+    declared = sum(t.numel() * t.element_size() for t in home.policy_state.values()
+                   if isinstance(t, torch.Tensor))
+    assert declared > 0
+    assert load_into(_like(home, "cpu"), home) == home.nbytes() + declared
+
+
 def test_evicting_policy_runs_on_a_cpu_home_directly():
     """--cpu-cache-compute: eviction runs on the home itself (its rows index included)."""
     rows, d, prompt = 2, 4, 12

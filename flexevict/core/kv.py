@@ -52,19 +52,21 @@ def zeros(shape, dtype, device) -> torch.Tensor:
 class KVBuffer:
     def __init__(self, capacity: int, rows: int, head_dim: int, dtype, device, kv_heads: int = 1,
                  layer: int = 0, alloc=zeros, fields: tuple[Field, ...] = (),
-                 constants: dict | None = None):
+                 constants: dict | None = None, kv_alloc=None):
         """alloc(shape, dtype, device) -> zeroed tensor: where the slots live (the offloading
         engine passes pinned or file-backed allocators, which may ignore `device`: tensors
         made here follow the allocated metadata, so a CPU or disk home indexes on the CPU
-        whatever the compute device is). fields: the policy's declared state (`Field`);
+        whatever the compute device is); kv_alloc: the same for K and V, when they are to live
+        elsewhere (default alloc). fields: the policy's declared state (`Field`);
         constants: a dict shared with the buffers that hold the same layer (see `constant`)."""
         n = capacity + 1
         self.capacity = capacity
         self.kv_heads = kv_heads  # rows = batch * kv_heads, row b * kv_heads + h
         self.layer = layer        # lets a policy keep per-layer constants (HashEvict's projection)
         self.head_dim, self.dtype = head_dim, dtype
-        self.k = alloc((n, rows, head_dim), dtype, device)
-        self.v = alloc((n, rows, head_dim), dtype, device)
+        kv_alloc = kv_alloc or alloc
+        self.k = kv_alloc((n, rows, head_dim), dtype, device)
+        self.v = kv_alloc((n, rows, head_dim), dtype, device)
         self.score = alloc((n, rows), torch.float32, device)
         self.state = alloc((n, rows), torch.float32, device)
         self.pos = alloc((n, rows), torch.int32, device)

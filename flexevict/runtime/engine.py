@@ -251,9 +251,10 @@ class Engine:
         cache = []
         for tier, size in zip(tiers, sizes):
             alloc = self.tiers.alloc(tier)
-            if self.placement.compress_cache:      # K, V: only their 4-bit parts in the tier
-                alloc = _kv_in_ram(alloc)
-            bufs = allocate(self.model, capacity, size, alloc, fields)   # alloc picks the device
+            # compressed: K and V start in ordinary memory, only their 4-bit parts go to the
+            # tier (allocated there, they would hold tier memory until the run ends)
+            kv_alloc = _in_ram if self.placement.compress_cache else alloc
+            bufs = allocate(self.model, capacity, size, alloc, fields, kv_alloc)
             if self.placement.compress_cache:
                 put = lambda x, tier=tier: self.tiers.put(tier, x)   # noqa: E731
                 for b in bufs:
@@ -331,12 +332,11 @@ class Engine:
         if work is None or work.device != dev or work.valid.shape != home.valid.shape:
             work = run.pool[slot] = _like(home, dev)
         previous = run.stored[slot]
-        self.traffic.add(tier, dst, home.nbytes())
 
         def load():
             previous.wait()                            # its last user's store has finished
             stored.wait()      # and so has every store into the home (ordered per home)
-            load_into(work, home)
+            self.traffic.add(tier, dst, load_into(work, home))
             return work
         return self.lanes["load_cache"].submit(load)
 
@@ -449,13 +449,14 @@ def check_length(config, prompt_len: int, new_tokens: int):
                         "--max-new-tokens")
 
 
-def allocate(model: Transformer, capacity: int, batch: int, alloc=zeros, fields=()
-             ) -> list[KVBuffer]:
+def allocate(model: Transformer, capacity: int, batch: int, alloc=zeros, fields=(),
+             kv_alloc=None) -> list[KVBuffer]:
     """One KV buffer per layer for `batch` sequences with the policy's declared state
-    `fields`; alloc picks the memory (kv.KVBuffer)."""
+    `fields`; alloc (kv_alloc for K and V) picks the memory (kv.KVBuffer)."""
     c = model.config
     return [KVBuffer(capacity, batch * c.num_kv_heads, c.dim_head, model.dtype, model.device,
-                     kv_heads=c.num_kv_heads, layer=j, alloc=alloc, fields=fields)
+                     kv_heads=c.num_kv_heads, layer=j, alloc=alloc, fields=fields,
+                     kv_alloc=kv_alloc)
             for j in range(c.num_layers)]
 
 
@@ -473,19 +474,16 @@ def _place(tiers: Tiers, tier: str, name: str, t: torch.Tensor, pack: bool, plac
 
 
 def compressed(t: torch.Tensor, put) -> Packed4bit:
-    """t quantised to 4 bits in groups of quant.GROUP along its last dim (FlexGen's scheme: along the
-    head dim for the cache, the input features for weights), each part placed by put(tensor)."""
+    """t quantised to 4 bits in groups of quant.GROUP along its last dim (FlexGen's scheme:
+    along the head dim for the cache, the input features for weights), each part placed by
+    put(tensor)."""
     p = quantize_4bit(t, dim=-1)
     return dataclasses.replace(p, data=put(p.data), min=put(p.min), scale=put(p.scale))
 
 
-def _kv_in_ram(alloc):
-    """alloc, except for K and V (the 3-D fields): zeros in ordinary memory, to be compressed
-    into the tier (allocated there, they would hold tier memory until the run ends). A policy's
-    3-D declared state (HashEvict's wide codes, Scissorhands' history) stays in RAM too."""
-    def kv_in_ram(shape, dtype, device=None):
-        return torch.zeros(shape, dtype=dtype) if len(shape) == 3 else alloc(shape, dtype, device)
-    return kv_in_ram
+def _in_ram(shape, dtype, device=None) -> torch.Tensor:
+    """Zeros in ordinary memory, whatever device is asked for."""
+    return torch.zeros(shape, dtype=dtype)
 
 
 def _like(buf: KVBuffer, device) -> KVBuffer:

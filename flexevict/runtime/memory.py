@@ -251,14 +251,7 @@ def disk_free(offload_dir: str) -> int:
 def process_anon() -> int:
     """Anonymous memory this process holds now (RssAnon; 0 without /proc): the baseline a
     --cpu-mem-limit counts besides the run's tiers."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return 0
-    return 0
+    return _proc_bytes("/proc/self/status", "RssAnon:") or 0
 
 
 @contextlib.contextmanager
@@ -275,10 +268,15 @@ def out_of_memory(plan: MemoryPlan, device: torch.device, gpu_limit: int | None)
 
 
 def _mem_available() -> int | None:
+    return _proc_bytes("/proc/meminfo", "MemAvailable:")
+
+
+def _proc_bytes(path: str, key: str) -> int | None:
+    """The `key` line of a /proc file that counts kB, in bytes; None without it (no /proc)."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None

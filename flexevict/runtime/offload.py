@@ -377,7 +377,8 @@ def _thread_stream(device):
 
 
 class Traffic:
-    """Bytes moved per link ("cpu->gpu", "disk->gpu", "gpu->cpu", ...), counted at submit time."""
+    """Bytes moved per link ("cpu->gpu", "disk->gpu", "gpu->cpu", ...); copy lanes add from
+    their threads."""
 
     def __init__(self):
         self.bytes = defaultdict(int)
@@ -398,9 +399,10 @@ class Traffic:
 COUNTERS = ("used", "ring_start", "cursor")
 
 
-def load_into(work: KVBuffer, home: KVBuffer) -> None:
+def load_into(work: KVBuffer, home: KVBuffer) -> int:
     """Copy a home buffer (any tier, K/V possibly 4-bit compressed) into a working buffer of
-    the same shape on the compute device: every slot, the counters and the declared state."""
+    the same shape on the compute device: every slot, the counters and the declared state.
+    -> bytes read from the home."""
     for name in ("k", "v"):
         value = getattr(home, name)
         if isinstance(value, Packed4bit):
@@ -408,10 +410,11 @@ def load_into(work: KVBuffer, home: KVBuffer) -> None:
         getattr(work, name).copy_(value, non_blocking=True)
     for mine, value in zip(work.tensors()[2:], home.tensors()[2:]):
         mine.copy_(value, non_blocking=True)
-    _copy_state(work.policy_state, home.policy_state, non_blocking=True)
+    state = _copy_state(work.policy_state, home.policy_state, non_blocking=True)
     for name in COUNTERS:
         setattr(work, name, getattr(home, name))
     work.layer, work.constants, work.dirty = home.layer, home.constants, []
+    return home.nbytes() + state
 
 
 def store_into(home: KVBuffer, work: KVBuffer) -> int:
