@@ -133,7 +133,7 @@ class LLM:
         stop = tuple(self.config.eos_token_ids) if stop_ids is None else tuple(stop_ids)
         outs = generate(self.engine, encoded, max_new_tokens, pol, sampling, stop, self.pad_id,
                         row_seeds)
-        return outs, pol.describe()
+        return outs, pol.describe(self.engine.last_run.layout)
 
     @property
     def pad_id(self) -> int:
@@ -154,8 +154,9 @@ class LLM:
         pol = as_spec(policy).make()
         nll = token_nll(self.engine, ids, pol, prefill_tokens, progress=progress)
         mean = float(nll.double().mean())
-        self.resolved.append(pol.describe())
-        return {"tokens": len(ids), "nll": mean, "ppl": math.exp(mean), "slots": pol.slots}
+        layout = self.engine.last_run.layout
+        self.resolved.append(pol.describe(layout))
+        return {"tokens": len(ids), "nll": mean, "ppl": math.exp(mean), "slots": layout.slots}
 
     def score(self, text: str, max_tokens: int | None = None, policy: PolicySpec | str = "full",
               prefill_tokens: int | None = None, progress: bool = False) -> dict:

@@ -10,67 +10,94 @@ Scores are per (sequence, kv-head): the attention probabilities of the query hea
 kv head are summed (GQA).
 
 State: `buf.score` and `buf.state` are every policy's per-slot fp32 rows. Anything more is
-DECLARED by `fields()` (`kv.Field`): the buffer allocates it in `buf.policy_state[name]` and
+DECLARED by `fields(layout)` (`kv.Field`): the buffer allocates it in `buf.policy_state[name]` and
 offloading moves it. Per-layer constants (e.g. a projection) come from `buf.constant(name, make)`.
 For a policy with `accumulates_attention`, the model adds each step's attention to `buf.score`
 (fused into its attention kernel) and calls `after_attention(..., scored=True)`.
+
+Arguments and run sizes: a policy is a frozen dataclass whose fields are its arguments; the run's
+sizes are a frozen `kv.Layout` from `Policy.layout(P, G)`, carried by every buffer of the run.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
+from dataclasses import dataclass
 
 import torch
 
 from flexevict.core import kernels
 from flexevict.errors import UserError
 from flexevict.core.kernels import kv_head_probs  # noqa: F401 - the policies' helper
-from flexevict.core.kv import Field, KVBuffer
+from flexevict.core.kv import Field, KVBuffer, Layout
+
+BUDGET_FIELDS = ("budget", "budget_tokens")
 
 
+@dataclass(frozen=True)
 class Policy:
+    """An eviction rule and its arguments (frozen): the arguments are the dataclass fields after
+    the budget, with the paper's defaults, checked in `__post_init__`. A run's sizes are not
+    the policy's: `layout(P, G)` resolves them into a frozen `Layout` that the run's buffers
+    carry (`buf.layout`), and every hook reads them there."""
+    budget: float | None = None
+    budget_tokens: int | None = None
+
     name = "base"
-    args: dict = {}                 # policy arguments with the paper's defaults
     min_slots = 2                   # at least one committed slot and the scratch slot
     needs_prompt_scores = False     # prefill must compute attention column sums
     rope_in_cache = False           # LLaMA: cache keys before RoPE, rotate by in-cache rank
-    prompt_scores = None            # or fold(acc, p, first, valid): the prompt statistic that
-                                    # `prefill` gets instead of column sums (see model.py)
+    prompt_scores = None            # or fold(layout, acc, p, first, valid): the prompt statistic
+                                    # that `prefill` gets instead of column sums (see model.py)
     needs_prompt_queries = False    # prefill also gets the prompt queries q=(S, rows, g, d)
     batch_by_length = False         # decisions depend on the padded prompt length (batch_key)
     accumulates_attention = False   # buf.score[:n] += each step's attention, summed over the
                                     # query heads of a kv head (H2O); the model then fuses the
                                     # sum into its attention kernel (see `after_attention`)
 
-    def __init__(self, budget: float | None = None, budget_tokens: int | None = None, **args):
-        unknown = set(args) - set(self.args)
-        if unknown:
-            known = ", ".join(self.args) or "none"
-            raise UserError(f"unknown --policy-arg {', '.join(sorted(unknown))} for policy "
-                            f"'{self.name}' (its arguments: {known})")
-        self.opts = {k: _coerce(k, v, self.args[k]) for k, v in {**self.args, **args}.items()}
-        if budget is not None and not 0 < budget <= 1:
-            raise UserError(f"--budget must be in (0, 1] (got {budget}); use --budget-tokens "
-                            "for an absolute slot count")
-        if budget_tokens is not None and budget_tokens < 1:
-            raise UserError(f"--budget-tokens must be >= 1 (got {budget_tokens})")
-        self.budget, self.budget_tokens = budget, budget_tokens
-        self.slots = None
-        self.evicts = False
+    def __post_init__(self):
+        if self.budget is not None and not 0 < self.budget <= 1:
+            raise UserError(f"--budget must be in (0, 1] (got {self.budget}); use "
+                            "--budget-tokens for an absolute slot count")
+        if self.budget_tokens is not None and self.budget_tokens < 1:
+            raise UserError(f"--budget-tokens must be >= 1 (got {self.budget_tokens})")
 
+    # ------------------------------------------------------------------ arguments
     @classmethod
     def create(cls, budget: float | None = None, budget_tokens: int | None = None, **args
                ) -> "Policy":
-        """The registry's constructor: a policy whose class depends on its arguments (VATP's
-        `base`) picks it here. Default: this class."""
-        return cls(budget, budget_tokens, **args)
+        """The registry's constructor from user arguments (`from_args`); a policy whose class
+        depends on its arguments (VATP's `base`) picks the class here."""
+        return cls.from_args(budget, budget_tokens, **args)
+
+    @classmethod
+    def from_args(cls, budget: float | None = None, budget_tokens: int | None = None, **args
+                  ) -> "Policy":
+        """This class from arguments given as values or as --policy-arg strings: unknown
+        names are refused, strings are converted to the field's type."""
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        known = [n for n in fields if n not in BUDGET_FIELDS]
+        unknown = sorted(set(args) - set(known))
+        if unknown:
+            raise UserError(f"unknown --policy-arg {', '.join(unknown)} for policy '{cls.name}' "
+                            f"(its arguments: {', '.join(known) or 'none'})")
+        hints = typing.get_type_hints(cls)
+        typed = {k: _coerce(k, v, hints[k]) for k, v in args.items()}
+        return cls(budget, budget_tokens, **typed)
+
+    def arguments(self) -> dict:
+        """The policy's arguments (not the budget), by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.init and f.name not in BUDGET_FIELDS}
 
     # ------------------------------------------------------------------ sizing
     def minimum_slots(self) -> int:
         return self.min_slots
 
     def slots_for(self, prompt_len: int, gen_len: int) -> int:
-        """The resolved slot count for one sequence of prompt_len + gen_len tokens (no state
-        changes): floor(budget * total), or budget_tokens, never more than total."""
+        """The resolved slot count for one sequence of prompt_len + gen_len tokens:
+        floor(budget * total), or budget_tokens, never more than total."""
         total = prompt_len + gen_len
         if self.budget_tokens is not None:
             slots = self.budget_tokens
@@ -83,13 +110,11 @@ class Policy:
                             f"{self.minimum_slots()}; raise --budget or --budget-tokens")
         return min(slots, total)
 
-    def capacity(self, prompt_len: int, gen_len: int) -> int:
-        """Resolve the budget for this run (prompt_len: the batch's padded length); ->
-        committed slots (slots - 1)."""
-        self.slots = self.slots_for(prompt_len, gen_len)
-        self.evicts = self.slots < prompt_len + gen_len
-        self.split(self.slots - 1)
-        return self.slots - 1
+    def layout(self, prompt_len: int, gen_len: int) -> Layout:
+        """The run's frozen layout (prompt_len: the batch's padded length)."""
+        slots = self.slots_for(prompt_len, gen_len)
+        return Layout(slots, slots < prompt_len + gen_len, rope_in_cache=self.rope_in_cache,
+                      prompt_len=prompt_len, gen_len=gen_len)
 
     def batch_key(self, prompt_len: int, gen_len: int) -> tuple:
         """Sequences with equal keys may share a padded batch and still get exactly the tokens
@@ -108,26 +133,25 @@ class Policy:
             return ("length", prompt_len, slots)
         return ("compacts", slots)
 
-    def split(self, capacity: int) -> None:
-        """Divide the committed slots into regions (set attributes; printed by `describe`)."""
-
-    def fields(self) -> tuple[Field, ...]:
-        """The per-buffer state this policy keeps beyond score and state (`kv.Field`): the
-        buffer allocates it, offloading moves it. Default: none."""
+    def fields(self, layout: Layout) -> tuple[Field, ...]:
+        """The per-buffer state this policy keeps beyond score and state (`kv.Field`) in a run
+        of `layout`: the buffer allocates it, offloading moves it. Default: none."""
         return ()
 
-    def describe(self) -> dict:
-        """The resolved budget, for every CLI's output and every JSON result."""
-        return {"policy": self.name, "slots": self.slots, **self.opts}
+    def describe(self, layout: Layout | None = None) -> dict:
+        """The arguments and, given a run's layout, its resolved budget: for every CLI's output
+        and every JSON result (the resolved sizes win over arguments that default to them)."""
+        return {"policy": self.name, **self.arguments(), **(layout.describe() if layout else {})}
 
-    def wants_prompt_scores(self) -> bool:
-        return self.needs_prompt_scores and self.evicts
+    def wants_prompt_scores(self, layout: Layout) -> bool:
+        return self.needs_prompt_scores and layout.evicts
 
     def logit_scale(self, n_keys: int) -> float:
         """Factor on attention logits with n_keys keys (BUZZ-log n); default 1."""
         return 1.0
 
     # ------------------------------------------------------------------ hooks
+    # Every hook reads the run's sizes from `buf.layout`.
     def prefill(self, buf: KVBuffer, k, v, pos, valid, scores=None) -> None:
         """Keep the prompt. k, v: (S, rows, d); pos, valid, scores (fp32 column sums): (S, rows)."""
         buf.store_prompt(k, v, pos, valid, scores)
@@ -144,6 +168,7 @@ class Policy:
         buf.commit_appended(slot)
 
 
+@dataclass(frozen=True)
 class RingPolicy(Policy):
     """A pinned prefix of `prefix` slots plus a circular queue of the `ring` most recent tokens.
 
@@ -153,38 +178,34 @@ class RingPolicy(Policy):
     (`victim_candidates`), and the loser's slot is reused in place (`commit`: one fused
     selection + commit, `flexevict.core.kernels.evict_commit`).
     """
-    prefix = 0
-    ring = 0
-
     def minimum_slots(self) -> int:
         return max(self.min_slots, self.min_prefix() + 2)   # + one ring slot + scratch
 
     def min_prefix(self) -> int:
         return 0
 
-    def split(self, capacity: int) -> None:
-        self.prefix = self.prefix_slots(capacity)
-        self.ring = capacity - self.prefix
+    def layout(self, prompt_len: int, gen_len: int) -> Layout:
+        layout = super().layout(prompt_len, gen_len)
+        prefix = self.prefix_slots(layout.capacity)
+        return dataclasses.replace(layout, prefix=prefix, ring=layout.capacity - prefix)
 
     def prefix_slots(self, capacity: int) -> int:
         raise NotImplementedError
 
-    def describe(self) -> dict:
-        return {**super().describe(), "prefix": self.prefix, "ring": self.ring, "scratch": 1}
-
-    def prefix_rank(self, scores, k, v, pos, valid) -> torch.Tensor:
-        """(S, rows) rank of prompt tokens for the prefix; higher is kept. scores, pos, valid
+    def prefix_rank(self, buf, scores, k, v, pos, valid) -> torch.Tensor:
+        """(S, rows) rank of prompt tokens for buf's prefix; higher is kept. scores, pos, valid
         (S, rows) and k, v (S, rows, d) are the prompt's, as `prefill` got them.
 
         Default: earliest first (attention sinks)."""
         return -pos.to(torch.float32)
 
     def prefill(self, buf, k, v, pos, valid, scores=None):
-        buf.ring_start = buf.cursor = self.prefix
+        lay = buf.layout
+        buf.ring_start = buf.cursor = lay.prefix
         if k.shape[0] <= buf.capacity:
             return buf.store_prompt(k, v, pos, valid, scores)
-        rank = self.prefix_rank(scores, k, v, pos, valid)
-        kernels.compact_prompt(buf, k, v, pos, valid, scores, rank, self.prefix, self.ring)
+        rank = self.prefix_rank(buf, scores, k, v, pos, valid)
+        kernels.compact_prompt(buf, k, v, pos, valid, scores, rank, lay.prefix, lay.ring)
 
     def after_attention(self, buf, slot, probs, scored=False):
         self.accumulate(buf, slot, probs, scored)
@@ -218,12 +239,15 @@ def add_attention(buf: KVBuffer, probs: torch.Tensor, scored: bool) -> None:
         kernels.accumulate_scores(buf.score, probs)
 
 
-def _coerce(name: str, value, default):
-    if isinstance(value, str) and not isinstance(default, str):
-        try:
-            if isinstance(default, bool):
-                return value.lower() in ("1", "true", "yes")
-            return type(default)(value)
-        except ValueError:
-            raise UserError(f"--policy-arg {name}={value}: expected a {type(default).__name__}") from None
-    return value
+def _coerce(name: str, value, kind):
+    """A --policy-arg string as the field's type (int, float, bool or str); values pass."""
+    if not isinstance(value, str) or kind is str:
+        return value
+    if kind is bool:
+        if value.lower() in ("1", "true", "yes", "0", "false", "no"):
+            return value.lower() in ("1", "true", "yes")
+        raise UserError(f"--policy-arg {name}={value}: expected true or false")
+    try:
+        return kind(value)
+    except ValueError:
+        raise UserError(f"--policy-arg {name}={value}: expected a {kind.__name__}") from None

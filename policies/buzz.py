@@ -34,14 +34,16 @@ Notes: policies/README.md#buzz
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 
 from flexevict.core import kernels
 from flexevict.errors import UserError
 from flexevict.core.kernels import buzz_select, compaction
-from flexevict.core.kv import Field, KVBuffer, left_aligned
+from flexevict.core.kv import Field, KVBuffer, Layout, left_aligned
 
 from flexevict.policies.registry import register
 from flexevict.policies.base import Policy, add_attention
@@ -49,68 +51,35 @@ from flexevict.policies.base import Policy, add_attention
 MIN_T = 2          # smallest threshold for which a decode pass always fits (any s >= 3)
 
 
-@register
-class Buzz(Policy):
-    name = "buzz"
-    args = {"k": 4, "w": 0, "T": 0, "s": 5, "pos_shift": True}
-    needs_prompt_scores = True
-    accumulates_attention = True
-    rope_in_cache = True
+@dataclass(frozen=True)
+class BuzzLayout(Layout):
+    """A BUZZ run's regions per row: k sinks, the w-token window, a middle of at most T tokens
+    (the peak k + w + T + 1 <= slots), hives of s. The counts follow from these alone."""
+    k: int = 4
+    w: int = 1
+    T: int = MIN_T
+    s: int = 5
 
-    def __init__(self, budget=None, budget_tokens=None, **args):
-        super().__init__(budget=budget, budget_tokens=budget_tokens, **args)
-        o = self.opts
-        if o["s"] < 3:
-            raise UserError(f"--policy-arg s={o['s']}: BUZZ's stride must be >= 3 (with s <= 2 "
-                            "the old-token stride is 1 and the cache is never bounded)")
-        if o["k"] < 0 or o["w"] < 0:
-            raise UserError("--policy-arg k and w must be >= 0 (w=0: derive from the budget)")
-        if o["T"] != 0 and o["T"] < MIN_T:
-            raise UserError(f"--policy-arg T={o['T']}: BUZZ's threshold must be >= {MIN_T} "
-                            "(T=0: derive from the budget)")
-        self.rope_in_cache = bool(o["pos_shift"])
-        self.k, self.s = o["k"], o["s"]
-        self.sh = (self.s + 1) // 2
-        self.w = self.T = None
-        self.run_lengths = None
-
-    # ------------------------------------------------------------------ sizing
-    def fields(self):
-        # the distinct (tokens, old tokens) of the rows, on the host (see `prefill`)
-        return (Field("counts", init=()),)
-
-    def minimum_slots(self) -> int:
-        o = self.opts
-        return o["k"] + max(o["w"], 1) + (o["T"] or MIN_T) + 1
-
-    def capacity(self, prompt_len: int, gen_len: int) -> int:
-        self.run_lengths = (prompt_len, gen_len)
-        return super().capacity(prompt_len, gen_len)
-
-    def split(self, capacity: int) -> None:
-        o, s = self.opts, self.s
-        room = capacity - self.k                       # slots for window + middle
-        w, T = o["w"], o["T"]
-        if not w and not T:
-            theorem_w = room * (s + 1) // (s * s + s + 2) if s % 2 else room // s
-            w = max(1, min(theorem_w, room - MIN_T))
-            T = room - w
-        elif not T:
-            T = room - w
-        elif not w:
-            w = room - T
-        self.w, self.T = w, T
-        # budget >= sequence: nothing is ever evicted and keys are cached like `full`
-        self.rope_in_cache = bool(o["pos_shift"]) and self.evicts
-        if self.evicts and (w < 1 or T < MIN_T or self.k + w + T > capacity):
-            raise UserError(f"BUZZ needs k + w + T + 1 <= slots with w >= 1, T >= {MIN_T} "
-                            f"(k={self.k}, w={w}, T={T}, slots={capacity + 1}); raise the budget "
-                            "or lower --policy-arg k/w/T")
+    @property
+    def s_hat(self) -> int:
+        """The old tokens' sampling stride, ⌊(s+1)/2⌋."""
+        return (self.s + 1) // 2
 
     def a_star(self) -> float:
         """Steady-state old-sample count, the fixed point of App. D.1's recursion (eq. 10)."""
         s = self.s
         return self.T * (s + 1) / (s * s + 1) if s % 2 else self.T / (s - 1)
+
+    def pass_counts(self, count: int, old: int) -> tuple[int, int]:
+        """A row's (tokens, old tokens) after one pass, from the counts alone (`buzz_select`:
+        the k sinks, the w window, every ŝ-th old token, one new token per chunk of s); a row
+        whose middle fits T is left as it is."""
+        k, w = self.k, self.w
+        if count - k - w <= self.T:
+            return count, old
+        new = count - k - w - old
+        old = -(-old // self.s_hat) + -(-new // self.s)
+        return k + w + old, old
 
     def simulate(self, prompt_len: int, steps: int) -> list[int]:
         """Committed tokens of an unpadded row after prefill and after each of `steps` decode
@@ -124,35 +93,74 @@ class Buzz(Policy):
             sizes.append(n)
         return sizes
 
-    def pass_counts(self, count: int, old: int) -> tuple[int, int]:
-        """A row's (tokens, old tokens) after one pass, from the counts alone (`buzz_select`:
-        the k sinks, the w window, every ŝ-th old token, one new token per chunk of s); a row
-        whose middle fits T is left as it is."""
-        k, w = self.k, self.w
-        if count - k - w <= self.T:
-            return count, old
-        new = count - k - w - old
-        old = -(-old // self.sh) + -(-new // self.s)
-        return k + w + old, old
-
     def describe(self) -> dict:
-        d = super().describe()
-        if self.slots is None:
-            return d
-        p, g = self.run_lengths
-        sizes = self.simulate(p, max(g - 1, 0))       # g tokens need g - 1 decode steps
+        sizes = self.simulate(self.prompt_len, max(self.gen_len - 1, 0))   # g tokens: g-1 steps
         decode = sizes[1:] or sizes
-        d.update(k=self.k, w=self.w, T=self.T, s=self.s, s_hat=self.sh,
-                 pos_shift=self.rope_in_cache,
-                 peak_tokens=self.k + self.w + self.T if self.evicts else max(sizes),
-                 avg_tokens=round(sum(decode) / len(decode), 2),
-                 steady_avg_tokens=round(self.k + self.w + (self.a_star() + self.T) / 2, 2),
-                 a_star=round(self.a_star(), 2))
-        return d
+        return {**super().describe(), "k": self.k, "w": self.w, "T": self.T, "s": self.s,
+                "s_hat": self.s_hat, "pos_shift": self.rope_in_cache,
+                "peak_tokens": self.k + self.w + self.T if self.evicts else max(sizes),
+                "avg_tokens": round(sum(decode) / len(decode), 2),
+                "steady_avg_tokens": round(self.k + self.w + (self.a_star() + self.T) / 2, 2),
+                "a_star": round(self.a_star(), 2)}
+
+
+@register
+@dataclass(frozen=True)
+class Buzz(Policy):
+    k: int = 4                      # sinks
+    w: int = 0                      # window (0: from the budget)
+    T: int = 0                      # threshold (0: from the budget)
+    s: int = 5                      # hive size
+    pos_shift: bool = True
+    name = "buzz"
+    needs_prompt_scores = True
+    accumulates_attention = True
+    rope_in_cache = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.s < 3:
+            raise UserError(f"--policy-arg s={self.s}: BUZZ's stride must be >= 3 (with s <= 2 "
+                            "the old-token stride is 1 and the cache is never bounded)")
+        if self.k < 0 or self.w < 0:
+            raise UserError("--policy-arg k and w must be >= 0 (w=0: derive from the budget)")
+        if self.T != 0 and self.T < MIN_T:
+            raise UserError(f"--policy-arg T={self.T}: BUZZ's threshold must be >= {MIN_T} "
+                            "(T=0: derive from the budget)")
+
+    # ------------------------------------------------------------------ sizing
+    def fields(self, layout):
+        # the distinct (tokens, old tokens) of the rows, on the host (see `prefill`)
+        return (Field("counts", init=()),)
+
+    def minimum_slots(self) -> int:
+        return self.k + max(self.w, 1) + (self.T or MIN_T) + 1
+
+    def layout(self, prompt_len: int, gen_len: int) -> BuzzLayout:
+        base = super().layout(prompt_len, gen_len)
+        s, room = self.s, base.capacity - self.k           # slots for window + middle
+        w, T = self.w, self.T
+        if not w and not T:
+            theorem_w = room * (s + 1) // (s * s + s + 2) if s % 2 else room // s
+            w = max(1, min(theorem_w, room - MIN_T))
+            T = room - w
+        elif not T:
+            T = room - w
+        elif not w:
+            w = room - T
+        if base.evicts and (w < 1 or T < MIN_T or self.k + w + T > base.capacity):
+            raise UserError(f"BUZZ needs k + w + T + 1 <= slots with w >= 1, T >= {MIN_T} "
+                            f"(k={self.k}, w={w}, T={T}, slots={base.slots}); raise the budget "
+                            "or lower --policy-arg k/w/T")
+        # budget >= sequence: nothing is ever evicted and keys are cached like `full`
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        fields["rope_in_cache"] = self.pos_shift and base.evicts
+        return BuzzLayout(**fields, k=self.k, w=w, T=T, s=s)
 
     # ------------------------------------------------------------------ hooks
     def prefill(self, buf: KVBuffer, k, v, pos, valid, scores=None) -> None:
-        if not self.evicts:
+        lay = buf.layout
+        if not lay.evicts:
             return buf.store_prompt(k, v, pos, valid, scores)
         s_len, rows = valid.shape
         order = left_aligned(valid)
@@ -162,7 +170,7 @@ class Buzz(Policy):
         old = torch.zeros_like(live)
         index = torch.arange(s_len, device=valid.device).unsqueeze(1).expand(s_len, rows)
         for _ in range(s_len):                         # Remark 2: sample until it fits
-            keep, old_after, hit = self.select(live, old, score)
+            keep, old_after, hit = self.select(lay, live, old, score)
             if not bool(hit.any()):
                 break
             sel, live = compaction(keep)
@@ -183,7 +191,8 @@ class Buzz(Policy):
 
     def after_attention(self, buf: KVBuffer, slot: int, probs: torch.Tensor,
                         scored: bool = False) -> None:
-        if not self.evicts:
+        lay = buf.layout
+        if not lay.evicts:
             return buf.commit_appended(slot)
         n = probs.shape[-1]
         add_attention(buf, probs, scored)
@@ -193,24 +202,26 @@ class Buzz(Policy):
         # buf.used is the longest row's count, so this is "some row's middle exceeds T"; a token
         # in scratch cannot stay there (it cannot happen without a pass when k+w+T+1 <= slots,
         # but compacting then still frees room, since no row holds more than k+w+T tokens)
-        if n > self.k + self.w + self.T or slot == buf.scratch:
-            counts = [self.pass_counts(c, a) for c, a in counts]
+        if n > lay.k + lay.w + lay.T or slot == buf.scratch:
+            counts = [lay.pass_counts(c, a) for c, a in counts]
             self.evict(buf, n, max(c for c, _ in counts))
         buf.policy_state["counts"] = _distinct(counts)
 
     # ------------------------------------------------------------------ the pass
-    def select(self, valid, old, score):
+    @staticmethod
+    def select(lay: BuzzLayout, valid, old, score):
         """One BUZZ pass over slots [0, n) of every row (`flexevict.core.kernels.buzz_select`).
         valid, old (n, R) bool, score (n, R) -> keep (n, R), old flag of the kept tokens
         afterwards (n, R), hit (R,): rows whose middle exceeded T."""
-        return buzz_select(valid, old, score, self.k, self.w, self.T, self.s)
+        return buzz_select(valid, old, score, lay.k, lay.w, lay.T, lay.s)
 
     def evict(self, buf: KVBuffer, n: int, used: int) -> None:
         """Run a pass over slots [0, n) and compact every row (one kernel launch on a GPU);
         used: the longest row's count afterwards, known on the host (`pass_counts`)."""
         if used > buf.capacity:
             raise RuntimeError(f"BUZZ pass leaves {used} tokens for {buf.capacity} slots")
-        kernels.buzz_pass(buf, n, self.k, self.w, self.T, self.s, used=used)
+        lay = buf.layout
+        kernels.buzz_pass(buf, n, lay.k, lay.w, lay.T, lay.s, used=used)
 
 
 def _distinct(counts) -> tuple:
@@ -219,11 +230,12 @@ def _distinct(counts) -> tuple:
 
 
 @register
+@dataclass(frozen=True)
 class BuzzLogN(Buzz):
+    base: int = 512
     name = "buzz-logn"
-    args = {**Buzz.args, "base": 512}
     batch_by_length = True          # the scale reads the padded key count at prefill
 
     def logit_scale(self, n_keys: int) -> float:
         """log_base(n) (Sec. 3.5, eq. 7/8): exactly 1 at n = base (512, the pre-training length)."""
-        return math.log(n_keys) / math.log(self.opts["base"])
+        return math.log(n_keys) / math.log(self.base)

@@ -40,14 +40,16 @@ Notes: policies/README.md#cascade
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass, field
 
 import torch
 
 from flexevict.core import kernels
 from flexevict.errors import UserError
 from flexevict.core.kernels import SubCaches, reduce_heads
-from flexevict.core.kv import Field, left_aligned
+from flexevict.core.kv import Field, Layout, left_aligned
 
 from flexevict.policies.registry import register
 from flexevict.policies.base import Policy
@@ -55,49 +57,68 @@ from flexevict.policies.base import Policy
 REDUCTIONS = ("mean", "max", "median")
 
 
-@register
-class Cascade(Policy):
-    name = "cascade"
-    args = {"sinks": 4, "cascades": 4, "gamma": -1.0, "reduce": "mean",
-            "tie_replace": False, "eager_fill": False}
-    needs_prompt_scores = True
-    rope_in_cache = True
+@dataclass(frozen=True)
+class CascadeLayout(Layout):
+    """A Cascade run's regions: `sinks` slots, then the sub-caches C_1..C_N of `sizes` slots
+    (the remainder of |C| in C_1), and the EMA's resolved `gamma`."""
+    sinks: int = 4
+    sizes: tuple[int, ...] = ()
+    gamma: float = 0.0
 
-    def __init__(self, budget=None, budget_tokens=None, **args):
-        super().__init__(budget=budget, budget_tokens=budget_tokens, **args)
-        o = self.opts
-        if o["sinks"] < 0:
-            raise UserError(f"--policy-arg sinks must be >= 0 (got {o['sinks']})")
-        if o["cascades"] < 1:
-            raise UserError(f"--policy-arg cascades must be >= 1 (got {o['cascades']})")
-        if o["reduce"] not in REDUCTIONS:
-            raise UserError(f"--policy-arg reduce must be one of {', '.join(REDUCTIONS)} "
-                            f"(got '{o['reduce']}')")
-        if o["gamma"] > 1:
-            raise UserError(f"--policy-arg gamma must be in [0, 1] (or < 0 for the paper's "
-                            f"exp(-N ln(100)/|C|)); got {o['gamma']}")
-        self.sinks, self.n = o["sinks"], o["cascades"]
-        self.sizes: list[int] = []
-        self.gamma = 0.0
-        self._schedules: dict = {}    # memo: the prompt insertion is the same in every layer
-
-    # ------------------------------------------------------------------ sizing
-    def minimum_slots(self) -> int:
-        return max(self.min_slots, self.sinks + self.n + 1)
-
-    def split(self, capacity: int) -> None:
-        window = max(capacity - self.sinks, 0)
-        w, rest = divmod(window, self.n)
-        self.sizes = [w + rest] + [w] * (self.n - 1)
-        g = self.opts["gamma"]
-        self.gamma = g if g >= 0 else (math.exp(-self.n * math.log(100) / window) if window else 0.0)
+    def bases(self) -> list[int]:
+        """Each sub-cache's first slot."""
+        return [self.sinks + sum(self.sizes[:i]) for i in range(len(self.sizes))]
 
     def describe(self) -> dict:
         return {**super().describe(), "subcaches": list(self.sizes), "gamma": self.gamma,
                 "approx_context": sum(s << i for i, s in enumerate(self.sizes)), "scratch": 1}
 
+
+@register
+@dataclass(frozen=True)
+class Cascade(Policy):
+    sinks: int = 4
+    cascades: int = 4
+    gamma: float = -1.0             # < 0: App. B's exp(-N ln(100) / |C|)
+    reduce: str = "mean"
+    tie_replace: bool = False
+    eager_fill: bool = False
+    # memo: the prompt insertion is the same in every layer (not an argument, not state)
+    _schedules: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    name = "cascade"
+    needs_prompt_scores = True
+    rope_in_cache = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sinks < 0:
+            raise UserError(f"--policy-arg sinks must be >= 0 (got {self.sinks})")
+        if self.cascades < 1:
+            raise UserError(f"--policy-arg cascades must be >= 1 (got {self.cascades})")
+        if self.reduce not in REDUCTIONS:
+            raise UserError(f"--policy-arg reduce must be one of {', '.join(REDUCTIONS)} "
+                            f"(got '{self.reduce}')")
+        if self.gamma > 1:
+            raise UserError(f"--policy-arg gamma must be in [0, 1] (or < 0 for the paper's "
+                            f"exp(-N ln(100)/|C|)); got {self.gamma}")
+
+    # ------------------------------------------------------------------ sizing
+    def minimum_slots(self) -> int:
+        return max(self.min_slots, self.sinks + self.cascades + 1)
+
+    def layout(self, prompt_len: int, gen_len: int) -> CascadeLayout:
+        base = super().layout(prompt_len, gen_len)
+        n = self.cascades
+        window = max(base.capacity - self.sinks, 0)
+        w, rest = divmod(window, n)
+        g = self.gamma if self.gamma >= 0 else (
+            math.exp(-n * math.log(100) / window) if window else 0.0)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        return CascadeLayout(**fields, sinks=self.sinks, sizes=(w + rest,) + (w,) * (n - 1),
+                             gamma=g)
+
     # ------------------------------------------------------------------ prompt statistic
-    def prompt_scores(self, acc, p, first, valid):
+    def prompt_scores(self, layout, acc, p, first, valid):
         """Fold one block of prefill attention into the EMA-weighted column sums (engine hook).
 
         p (B, Hk, g, c, S) fp32 probabilities of prompt queries [first, first + c), valid (B, S)
@@ -105,50 +126,51 @@ class Cascade(Policy):
         the group (left padding puts every row's last real query at S - 1)."""
         s, c = p.shape[-1], p.shape[3]
         q = torch.arange(first, first + c, device=p.device, dtype=torch.float64)
-        w = ((1.0 - self.gamma) * self.gamma ** (s - 1 - q)).to(p.dtype)           # (c,)
+        g = layout.gamma
+        w = ((1.0 - g) * g ** (s - 1 - q)).to(p.dtype)                           # (c,)
         w = w * valid[:, first:first + c]                                        # (B, c)
         total = torch.einsum("bhgcs,bc->bhs", p, w)
         return total if acc is None else acc + total
 
     # ------------------------------------------------------------------ layout
-    def fields(self):
+    def fields(self, layout):
         # per row, each sub-cache's oldest entry and fill
-        return (Field("start", (self.n, "rows"), torch.int64),
-                Field("count", (self.n, "rows"), torch.int64))
+        return (Field("start", (self.cascades, "rows"), torch.int64),
+                Field("count", (self.cascades, "rows"), torch.int64))
 
     def subcaches(self, buf) -> SubCaches:
         """The buffer's sub-caches: its declared start/count, and each sub-cache's first slot,
         size and acceptance period (N, 1) (constants of the run)."""
-        def layout(dev):
+        lay = buf.layout
+
+        def columns(dev):
             col = lambda x: torch.tensor(x, dtype=torch.int64, device=dev).unsqueeze(1)  # noqa: E731
-            bases = [self.sinks + sum(self.sizes[:i]) for i in range(self.n)]
-            return col(bases), col(self.sizes), col([1 << i for i in range(self.n)])
+            return col(lay.bases()), col(lay.sizes), col([1 << i for i in range(len(lay.sizes))])
         return SubCaches(buf.policy_state["start"], buf.policy_state["count"],
-                         *buf.constant("cascade_layout", layout))
+                         *buf.constant("cascade_layout", columns))
 
     def contents(self, buf, row: int = 0) -> list[list[int]]:
         """Positions held by each sub-cache C_1..C_N of one row, oldest first (for inspection)."""
-        out = []
-        for i, size in enumerate(self.sizes):
-            base = self.sinks + sum(self.sizes[:i])
+        out, lay = [], buf.layout
+        for base, size, i in zip(lay.bases(), lay.sizes, range(len(lay.sizes))):
             st, cn = (int(buf.policy_state[f][i, row]) for f in ("start", "count"))
             out.append([int(buf.pos[base + (st + k) % size, row]) for k in range(cn)])
         return out
 
     # ------------------------------------------------------------------ the insertion
-    def _schedule(self, p: int) -> tuple:
+    def _schedule(self, lay: CascadeLayout, p: int) -> tuple:
         """The insertion's structure for prompt tokens 0..p-1 (the same for every row and layer:
         which slots move where depends only on t and the fill counts, never on scores).
 
         -> per token: (src, dst, compare) where src/dst are the unconditional moves (pushes and
         appends, one simultaneous move) and compare is None or (carry, newest): the carry
         replaces the newest iff it scores higher; plus the (start, count) after each token."""
-        key = (p, tuple(self.sizes))
+        key = (p, lay.sizes)
         if key in self._schedules:
             return self._schedules[key]
-        S, sc = self.sinks, self.sinks + sum(self.sizes)
-        bases = [S + sum(self.sizes[:i]) for i in range(self.n)]
-        start, count = [0] * self.n, [0] * self.n
+        n, S, sc = len(lay.sizes), lay.sinks, lay.sinks + sum(lay.sizes)
+        bases = lay.bases()
+        start, count = [0] * n, [0] * n
         plan, hist = [], [(tuple(start), tuple(count))]
         for t in range(p):
             src, dst, cmp = [], [], None
@@ -156,9 +178,9 @@ class Cascade(Policy):
                 src, dst = [sc], [t]
             else:
                 carry = sc
-                not_full = sum(count) < sum(self.sizes)
-                for i, (b, w) in enumerate(zip(bases, self.sizes)):
-                    acc = (t - S) % (1 << i) == 0 or (self.opts["eager_fill"] and not_full)
+                not_full = sum(count) < sum(lay.sizes)
+                for i, (b, w) in enumerate(zip(bases, lay.sizes)):
+                    acc = (t - S) % (1 << i) == 0 or (self.eager_fill and not_full)
                     if acc and count[i] == w:                           # push, cascade on
                         src.append(carry), dst.append(b + start[i])
                         carry = b + start[i]
@@ -175,12 +197,12 @@ class Cascade(Policy):
         self._schedules[key] = plan, hist
         return plan, hist
 
-    def _schedule_tensors(self, p: int, dev) -> list:
+    def _schedule_tensors(self, lay: CascadeLayout, p: int, dev) -> list:
         """`_schedule` as per-token (src, dst) index columns (k, 1) on the buffer's device, the
         competing pair last; cached for the run (every layer inserts the same prompt)."""
-        key = (p, tuple(self.sizes), str(dev))
+        key = (p, lay.sizes, str(dev))
         if key not in self._schedules:
-            plan, _ = self._schedule(p)
+            plan, _ = self._schedule(lay, p)
             out = []
             for src, dst, cmp in plan:
                 if cmp is not None:
@@ -192,7 +214,8 @@ class Cascade(Policy):
 
     # ------------------------------------------------------------------ hooks
     def prefill(self, buf, k, v, pos, valid, scores=None):
-        if not self.evicts:
+        lay = buf.layout
+        if not lay.evicts:
             return buf.store_prompt(k, v, pos, valid, scores)
         self.subcaches(buf)              # its constants are made here, never in a decode step
         dev = k.device
@@ -205,16 +228,16 @@ class Cascade(Policy):
             proxy = torch.zeros(p, rows, dtype=torch.float32, device=dev)
         else:   # the EMA-weighted column sums of `prompt_scores`, reduced over heads
             proxy = torch.where(real, scores.float().gather(0, order), 0.0)
-            proxy = reduce_heads(proxy, buf.kv_heads, self.opts["reduce"])
+            proxy = reduce_heads(proxy, buf.kv_heads, self.reduce)
         # insert the prompt token by token (left-aligned, so token i has t = i in every row) on
         # index maps: which prompt token each slot holds, and its score
-        _, hist = self._schedule(p)
+        _, hist = self._schedule(lay, p)
         held = torch.full((cap + 1, rows), -1, dtype=torch.int64, device=dev)
         mu = torch.zeros(cap + 1, rows, dtype=torch.float32, device=dev)
         ridx = buf.rows_index
         all_live = int(n_real.min())             # host reads here are prefill-only (once per call)
-        tie = self.opts["tie_replace"]
-        for i, (s_t, d_t, cmp) in enumerate(self._schedule_tensors(p, dev)):
+        tie = self.tie_replace
+        for i, (s_t, d_t, cmp) in enumerate(self._schedule_tensors(lay, p, dev)):
             held[sc] = i
             mu[sc] = proxy[i]
             move = None
@@ -232,8 +255,8 @@ class Cascade(Policy):
         # each row's sub-cache counters as of its last prompt token
         h = torch.tensor([list(a) + list(c) for a, c in hist], device=dev)    # (p+1, 2N)
         at = h[n_real.clamp(max=p)].t()                                       # (2N, rows)
-        buf.policy_state["start"].copy_(at[:self.n])
-        buf.policy_state["count"].copy_(at[self.n:])
+        buf.policy_state["start"].copy_(at[:self.cascades])
+        buf.policy_state["count"].copy_(at[self.cascades:])
         kept = held[:cap] >= 0
         buf.store_prompt(k, v, pos, valid, scores, keep=held[:cap].clamp(min=0))
         buf.valid[:cap] &= kept
@@ -242,9 +265,9 @@ class Cascade(Policy):
         buf.state[:min(self.sinks, cap)] = 0.0
 
     def after_attention(self, buf, slot, probs, scored=False):
-        if not self.evicts or slot != buf.scratch:
+        lay = buf.layout
+        if not lay.evicts or slot != buf.scratch:
             return buf.commit_appended(slot)
         # EMA of every non-sink slot (new token included), then Algorithm 1: one launch on a GPU
-        o = self.opts
-        kernels.cascade_update(buf, self.subcaches(buf), probs, self.sinks, self.gamma, o["reduce"],
-                               sum(self.sizes), o["tie_replace"], o["eager_fill"])
+        kernels.cascade_update(buf, self.subcaches(buf), probs, self.sinks, lay.gamma,
+                               self.reduce, sum(lay.sizes), self.tie_replace, self.eager_fill)

@@ -1,4 +1,7 @@
 """`full`: no eviction; the buffer holds every token (the reference all policies are checked against)."""
+from dataclasses import dataclass
+
+from flexevict.core.kv import Layout
 from flexevict.errors import UserError
 
 from flexevict.policies.registry import register
@@ -6,12 +9,13 @@ from flexevict.policies.base import Policy
 
 
 @register
+@dataclass(frozen=True)
 class Full(Policy):
     name = "full"
 
-    def capacity(self, prompt_len: int, gen_len: int) -> int:
-        capacity = super().capacity(prompt_len, gen_len)
-        if self.evicts:
+    def layout(self, prompt_len: int, gen_len: int) -> Layout:
+        layout = super().layout(prompt_len, gen_len)
+        if layout.evicts:
             raise UserError("policy 'full' keeps every token; drop --budget/--budget-tokens or "
                             "choose an eviction policy")
-        return capacity
+        return layout

@@ -13,11 +13,14 @@ From the second decode step on it equals `h2o` with one fewer heavy and one more
 
 Notes: policies/README.md#h2o
 """
+from dataclasses import dataclass
+
 from flexevict.policies.registry import register
 from flexevict.policies.base import RingPolicy, add_attention
 
 
 @register
+@dataclass(frozen=True)
 class H2O(RingPolicy):
     name = "h2o"
     needs_prompt_scores = True
@@ -26,7 +29,7 @@ class H2O(RingPolicy):
     def prefix_slots(self, capacity: int) -> int:
         return capacity // 2
 
-    def prefix_rank(self, scores, k, v, pos, valid):
+    def prefix_rank(self, buf, scores, k, v, pos, valid):
         return scores
 
     def accumulate(self, buf, slot, probs, scored=False):
@@ -37,6 +40,7 @@ class H2O(RingPolicy):
 
 
 @register
+@dataclass(frozen=True)
 class H2ORing(H2O):
     name = "h2o-ring"
 

@@ -23,7 +23,7 @@ Decisions where the paper is silent or ambiguous:
 - Prefill `replay` (default): plain SDPA prefill (no column sums), then Algorithm 1's decisions
   replayed over prompt tokens C .. N-1 with their hashes (Sec. 3 "Prompt Encoding Stage"). The
   model passes the prompt queries (`q=`) because `needs_prompt_queries` is set; a caller that
-  does not makes the replay use each key's hash as its query hash. `prefill=recent_global` keeps
+  does not makes the replay use each key's hash as its query hash. `prompt_pool=recent_global` keeps
   the first `sinks` and the last C - sinks prompt tokens (the authors' code's default).
 - Storage: codes of c <= 24 bits sit in the fp32 `buf.state` of the key's slot; wider codes (the
   c = 32 / 64 ablation) in the declared field `hash` (`buf.policy_state["hash"]`), as is each
@@ -33,6 +33,8 @@ Decisions where the paper is silent or ambiguous:
 Notes: policies/README.md#hashevict
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -58,44 +60,56 @@ def projection(bits: int, head_dim: int, seed: int, layer: int = 0) -> torch.Ten
 # ------------------------------------------------------------------------------ policy
 
 @register
+@dataclass(frozen=True)
 class HashEvict(RingPolicy):
+    sinks: int = 4
+    recent: int = 10
+    hash_bits: int = 16
+    seed: int = 0
+    hash_source: str = "query"
+    prompt_pool: str = "replay"       # not `prefill`: that is the hook
     name = "hashevict"
-    args = {"sinks": 4, "recent": 10, "hash_bits": 16, "seed": 0,
-            "hash_source": "query", "prefill": "replay"}
     needs_prompt_scores = False        # attention-free: plain SDPA prefill
     needs_prompt_queries = True        # the replay prefill wants the prompt queries (q=)
 
-    def __init__(self, budget=None, budget_tokens=None, **args):
-        super().__init__(budget=budget, budget_tokens=budget_tokens, **args)
-        o = self.opts
-        if o["sinks"] < 0 or o["recent"] < 0:
-            raise UserError(f"--policy-arg sinks/recent must be >= 0 (got sinks={o['sinks']}, "
-                            f"recent={o['recent']})")
-        if not 1 <= o["hash_bits"] <= 1024:
-            raise UserError(f"--policy-arg hash_bits must be in [1, 1024] (got {o['hash_bits']})")
-        if o["hash_source"] not in ("query", "key"):
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sinks < 0 or self.recent < 0:
+            raise UserError(f"--policy-arg sinks/recent must be >= 0 (got sinks={self.sinks}, "
+                            f"recent={self.recent})")
+        if not 1 <= self.hash_bits <= 1024:
+            raise UserError(f"--policy-arg hash_bits must be in [1, 1024] (got {self.hash_bits})")
+        if self.hash_source not in ("query", "key"):
             raise UserError(f"--policy-arg hash_source must be 'query' or 'key' "
-                            f"(got {o['hash_source']!r})")
-        if o["prefill"] not in ("replay", "recent_global"):
-            raise UserError(f"--policy-arg prefill must be 'replay' or 'recent_global' "
-                            f"(got {o['prefill']!r})")
-        self.words = -(-o["hash_bits"] // WORD_BITS)
-        self.in_state = o["hash_bits"] <= STATE_BITS
+                            f"(got {self.hash_source!r})")
+        if self.prompt_pool not in ("replay", "recent_global"):
+            raise UserError(f"--policy-arg prompt_pool must be 'replay' or 'recent_global' "
+                            f"(got {self.prompt_pool!r})")
+
+    @property
+    def words(self) -> int:
+        """int64 words per hash code."""
+        return -(-self.hash_bits // WORD_BITS)
+
+    @property
+    def in_state(self) -> bool:
+        """The codes fit `buf.state` (else the declared field `hash` holds them)."""
+        return self.hash_bits <= STATE_BITS
 
     # ------------------------------------------------------------------ sizing
     def minimum_slots(self) -> int:
         # sinks + one prefix candidate + ring (recent + the oldest, a candidate) + scratch
-        return self.opts["sinks"] + self.opts["recent"] + 3
+        return self.sinks + self.recent + 3
 
     def prefix_slots(self, capacity: int) -> int:
         # >= sinks + 1 whenever the run evicts (minimum_slots); a budget that holds the whole
         # run may be smaller than the minimum and never reaches the ring commit
-        return max(capacity - (self.opts["recent"] + 1), 0)
+        return max(capacity - (self.recent + 1), 0)
 
-    def describe(self) -> dict:
-        return {**super().describe(), "hash_storage": "state" if self.in_state else "hash"}
+    def describe(self, layout=None) -> dict:
+        return {**super().describe(layout), "hash_storage": "state" if self.in_state else "hash"}
 
-    def fields(self):
+    def fields(self, layout):
         # each row's victim, chosen before attention and committed after it; the codes when
         # they do not fit `buf.state`
         victims = Field("victims", ("rows",), torch.int64)
@@ -106,9 +120,8 @@ class HashEvict(RingPolicy):
     # ------------------------------------------------------------------ per-slot codes
     def _proj(self, buf: KVBuffer) -> torch.Tensor:
         """R for the buffer's layer on its device (a constant: made once, never moved)."""
-        o = self.opts
         return buf.constant("hash_proj", lambda dev: projection(
-            o["hash_bits"], buf.head_dim, o["seed"], buf.layer).to(dev))
+            self.hash_bits, buf.head_dim, self.seed, buf.layer).to(dev))
 
     def _put(self, buf: KVBuffer, index, codes: torch.Tensor) -> None:
         """Store codes (..., rows, words) at slot(s) `index`."""
@@ -127,8 +140,9 @@ class HashEvict(RingPolicy):
     def prefill(self, buf, k, v, pos, valid, scores=None, q=None):
         """k, v (S, rows, d); pos, valid (S, rows); q (S, rows, group, d) post-RoPE prompt
         queries when the engine passes them."""
-        buf.ring_start = buf.cursor = self.prefix
-        if not self.evicts:
+        lay = buf.layout
+        buf.ring_start = buf.cursor = lay.prefix
+        if not lay.evicts:
             return buf.store_prompt(k, v, pos, valid)
         s = k.shape[0]
         order = left_aligned(valid)
@@ -136,32 +150,31 @@ class HashEvict(RingPolicy):
         proj = self._proj(buf)
         kh = hash_codes(k, proj)                                   # (S, rows, W)
         n_real = valid.sum(dim=0)                                  # (rows,)
-        sinks, ring = self.opts["sinks"], self.ring
-        npool = self.prefix - sinks
+        sinks, ring = self.sinks, lay.ring
+        npool = lay.prefix - sinks
         dev = k.device
         j = torch.arange(npool, device=dev).unsqueeze(1)
         mid_end = n_real - ring                                    # middle tokens: [sinks, mid_end)
-        if self.opts["prefill"] == "recent_global":
+        if self.prompt_pool == "recent_global":
             idx = mid_end - npool + j
             pool = torch.where(idx >= sinks, idx, -1)
         else:
             idx = sinks + j
             pool = torch.where(idx < mid_end, idx, -1)
             if s > buf.capacity:
-                if self.opts["hash_source"] == "query" and q is not None:
+                if self.hash_source == "query" and q is not None:
                     qh = hash_codes(q.gather(0, order[:, :, None, None].expand_as(q)), proj)
                 else:
                     qh = kh.unsqueeze(2)                            # (S, rows, 1, W)
-                pool = self._replay(pool, kh, qh, n_real, s, buf.capacity)
+                pool = self._replay(pool, kh, qh, n_real, s, buf.capacity, ring)
         self._store(buf, k, v, pos, valid, kh, pool, n_real)
 
-    def _replay(self, pool, kh, qh, n_real, s, capacity):
+    def _replay(self, pool, kh, qh, n_real, s, capacity, ring):
         """Algorithm 1 over prompt tokens t = capacity .. S-1 on token indices only.
 
         At step t the candidates are the pool (non-sink prefix) and the token leaving the ring,
         a = t - ring; the one with the largest (distance, -index) goes. Rows are independent;
         a row takes part while t < its length. -> the final pool (P, rows)."""
-        ring = self.ring
         rows = torch.arange(pool.shape[1], device=pool.device)
         big = s + 1                                      # key = dist * big + (s - index)
         pool_h = kh.gather(0, pool.clamp(min=0).unsqueeze(-1).expand(-1, -1, kh.shape[-1]))
@@ -183,7 +196,7 @@ class HashEvict(RingPolicy):
         tokens right-aligned in the ring (a short row's holes sit at the ring's oldest end, so
         the ring stays a FIFO of the most recent tokens). Holes are invalid."""
         dev = k.device
-        sinks, ring = self.opts["sinks"], self.ring
+        sinks, ring = self.sinks, buf.layout.ring
         sink = torch.arange(sinks, device=dev).unsqueeze(1).expand(-1, n_real.shape[0])
         far = torch.iinfo(torch.int64).max
         pool = torch.where(pool >= 0, pool, far).sort(dim=0).values
@@ -201,17 +214,17 @@ class HashEvict(RingPolicy):
     def before_attention(self, buf, slot, q):
         """Hash the new key; when the buffer is full, pick each row's victim from the current
         query's hash and mask it out of this step's attention (Algorithm 1 lines 1-2, 6)."""
-        if not self.evicts:
+        if not buf.layout.evicts:
             return
         proj = self._proj(buf)
         hk = hash_codes(buf.k[slot], proj)                          # (rows, W)
         self._put(buf, slot, hk)
         if slot != buf.scratch:
             return
-        hq = hash_codes(q, proj) if self.opts["hash_source"] == "query" else hk.unsqueeze(1)
+        hq = hash_codes(q, proj) if self.hash_source == "query" else hk.unsqueeze(1)
         # empty first, else the farthest; ties: the oldest; valid sinks stay (one launch)
         codes = None if self.in_state else buf.policy_state["hash"]
-        buf.policy_state["victims"].copy_(kernels.hash_victims(buf, hq, self.opts["sinks"], codes))
+        buf.policy_state["victims"].copy_(kernels.hash_victims(buf, hq, self.sinks, codes))
 
     def after_attention(self, buf, slot, probs, scored=False):
         if slot != buf.scratch:

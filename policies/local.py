@@ -4,11 +4,14 @@ The window holds `slots` tokens including the one being decoded: each full step 
 leaves. The "Local" baseline of the H2O paper (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for
 Efficient Generative Inference of Large Language Models", Sec. 5): H2O with no heavy slots.
 """
+from dataclasses import dataclass
+
 from flexevict.policies.registry import register
 from flexevict.policies.base import RingPolicy
 
 
 @register
+@dataclass(frozen=True)
 class Local(RingPolicy):
     name = "local"
 

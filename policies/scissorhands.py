@@ -31,6 +31,8 @@ Decisions where the paper is silent:
 
 Notes: policies/README.md#scissorhands
 """
+from dataclasses import dataclass
+
 import torch
 
 from flexevict.errors import UserError
@@ -43,31 +45,37 @@ _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.ui
 
 
 @register
+@dataclass(frozen=True)
 class Scissorhands(RingPolicy):
+    recent: int = 10
+    window: int = 400
+    score: str = "count"
     name = "scissorhands"
-    args = {"recent": 10, "window": 400, "score": "count"}
     needs_prompt_scores = True
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        o = self.opts
-        if o["score"] not in ("count", "attention"):
-            raise UserError(f"--policy-arg score={o['score']}: expected 'count' (the paper's "
+    def __post_init__(self):
+        super().__post_init__()
+        if self.score not in ("count", "attention"):
+            raise UserError(f"--policy-arg score={self.score}: expected 'count' (the paper's "
                             "low-attention counter) or 'attention' (windowed attention sum)")
-        if o["recent"] < 1:
-            raise UserError(f"--policy-arg recent={o['recent']}: must be >= 1 (the token being "
+        if self.recent < 1:
+            raise UserError(f"--policy-arg recent={self.recent}: must be >= 1 (the token being "
                             "decoded is always among the recent tokens)")
-        if o["window"] < (1 if o["score"] == "count" else 0):
-            raise UserError(f"--policy-arg window={o['window']}: must be >= 1 (score=attention "
+        if self.window < (1 if self.counting else 0):
+            raise UserError(f"--policy-arg window={self.window}: must be >= 1 (score=attention "
                             "also accepts 0, no window)")
-        self.counting = o["score"] == "count"
+
+    @property
+    def counting(self) -> bool:
+        """The paper's low-attention counter (else the windowed attention sum)."""
+        return self.score == "count"
 
     # ------------------------------------------------------------------ sizing
     def minimum_slots(self) -> int:
-        return self.opts["recent"] + 2            # the recent tokens, one kept by score, scratch
+        return self.recent + 2                    # the recent tokens, one kept by score, scratch
 
     def prefix_slots(self, capacity: int) -> int:
-        return capacity - self.opts["recent"]
+        return capacity - self.recent
 
     # ------------------------------------------------------------------ importance (subclass hooks)
     def importance(self, buf, slots: torch.Tensor) -> torch.Tensor:
@@ -78,22 +86,22 @@ class Scissorhands(RingPolicy):
         # the lowest importance (buf.score) among the kept tokens and the oldest recent goes
         return buf.ring_start, True, None
 
-    def fields(self):
+    def fields(self, layout):
         # the next query's step index, and when the run evicts the window's history per slot
         # and row (count: one bit per query; attention: one fp32 per query; no window: none)
-        if not self.evicts:
+        if not layout.evicts:
             return (Field("step", init=0),)
-        w = self.opts["window"]
+        w = self.window
         hist = (Field("hist", ((w + 7) // 8, "slots", "rows"), torch.uint8) if self.counting
                 else Field("hist", (w, "slots", "rows"), torch.float32))
         return (hist, Field("step", init=0))
 
-    def prefix_rank(self, scores, k, v, pos, valid):
+    def prefix_rank(self, buf, scores, k, v, pos, valid):
         # the prompt's base importance (what `buf.score` stores), computed by `prefill`
         return scores
 
     # ------------------------------------------------------------------ prompt
-    def prompt_scores(self, acc, p, first, valid):
+    def prompt_scores(self, layout, acc, p, first, valid):
         """Fold one block of prefill attention into the prompt statistic (the model passes this as
         the `fold` of kernels.prefill_column_sums).
 
@@ -102,7 +110,7 @@ class Scissorhands(RingPolicy):
         bytes) uint8, bit (i % window) set when query i found the key unimportant; attention
         mode: (B, Hk, S) fp32 attention summed over those queries."""
         b, hk, g, c, s = p.shape
-        w = self.opts["window"] or s
+        w = self.window or s
         qi = torch.arange(first, first + c, device=p.device)
         score = p.sum(dim=2)                                          # (B, Hk, c, S)
         inwin = (qi >= s - w) & (qi < s)
@@ -124,12 +132,12 @@ class Scissorhands(RingPolicy):
 
     def prefill(self, buf, k, v, pos, valid, scores=None):
         buf.policy_state["step"] = k.shape[0]
-        if not self.evicts:
+        if not buf.layout.evicts:
             return super().prefill(buf, k, v, pos, valid)
         buf.policy_state["hist"].zero_()
         if scores is None:
             scores = torch.zeros(pos.shape, device=pos.device)
-        w = self.opts["window"]
+        w = self.window
         bits = self.counting and scores.dim() == 3
         base = w - _popcount(scores) if bits else scores.float()
         super().prefill(buf, k, v, pos, valid, base)
@@ -152,15 +160,15 @@ class Scissorhands(RingPolicy):
         if self.counting:
             bits = stat.gather(0, src.unsqueeze(-1).expand(-1, -1, stat.shape[-1]))
             hist[:, :cap] = (bits * kept.unsqueeze(-1)).permute(2, 0, 1).to(torch.uint8)
-        elif self.opts["window"]:
-            w = self.opts["window"]
+        elif self.window:
+            w = self.window
             steps = torch.arange(max(0, s - w), s, device=pos.device) % w
             share = buf.score[:cap] * kept / len(steps)
             hist[steps, :cap] = share.unsqueeze(0).expand(len(steps), -1, -1)
 
     # ------------------------------------------------------------------ decode
     def after_attention(self, buf, slot, probs, scored=False):
-        if not self.evicts:
+        if not buf.layout.evicts:
             return buf.commit_appended(slot)
         self.accumulate(buf, slot, probs)
         if slot != buf.scratch:
@@ -173,7 +181,7 @@ class Scissorhands(RingPolicy):
 
     def accumulate(self, buf, slot, probs, scored=False):
         n = probs.shape[-1]
-        hist, w, t = buf.policy_state["hist"], self.opts["window"], buf.policy_state["step"]
+        hist, w, t = buf.policy_state["hist"], self.window, buf.policy_state["step"]
         buf.policy_state["step"] = t + 1
         hist[:, slot] = 0                          # the new token has no history yet
         score = kv_head_probs(probs)               # (n, rows)

@@ -22,6 +22,8 @@ Decisions where the paper is silent (following the authors' code where it says m
 
 Notes: policies/README.md#tova
 """
+from dataclasses import dataclass
+
 import torch
 
 from flexevict.core import kernels
@@ -33,20 +35,21 @@ from flexevict.policies.base import Policy, kv_head_probs
 
 
 @register
+@dataclass(frozen=True)
 class TOVA(Policy):
+    heads: str = "kv"
     name = "tova"
-    args = {"heads": "kv"}
     min_slots = 2                     # one cached token + the token being decoded
     needs_prompt_scores = True
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        if self.opts["heads"] not in ("kv", "layer"):
-            raise UserError(f"--policy-arg heads={self.opts['heads']}: expected 'kv' (one "
+    def __post_init__(self):
+        super().__post_init__()
+        if self.heads not in ("kv", "layer"):
+            raise UserError(f"--policy-arg heads={self.heads}: expected 'kv' (one "
                             "eviction per kv head) or 'layer' (all heads of a layer alike)")
 
     # ------------------------------------------------------------------ scores
-    def prompt_scores(self, acc, p, first, valid):
+    def prompt_scores(self, layout, acc, p, first, valid):
         """Fold one block of prefill attention into the prompt statistic (the model passes this as
         the `fold` of kernels.prefill_column_sums).
 
@@ -61,7 +64,7 @@ class TOVA(Policy):
     def group(self, buf, score: torch.Tensor) -> torch.Tensor:
         """(n, rows) per-kv-head scores -> the scores eviction compares (layer: summed over the
         kv heads of each sequence, repeated for each of them)."""
-        if self.opts["heads"] == "kv":
+        if self.heads == "kv":
             return score
         h = getattr(buf, "kv_heads", None)
         if not h:
@@ -86,7 +89,7 @@ class TOVA(Policy):
         buf.store_prompt(k, v, pos, valid, scores, keep=keep)   # pads picked stay invalid
 
     def after_attention(self, buf, slot, probs, scored=False):
-        if not self.evicts:
+        if not buf.layout.evicts:
             return buf.commit_appended(slot)
         n = probs.shape[-1]
         buf.score[:n] = self.group(buf, kv_head_probs(probs))

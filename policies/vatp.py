@@ -32,6 +32,8 @@ Notes: policies/README.md#vatp
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from flexevict.errors import UserError
@@ -62,47 +64,54 @@ def value_norm(v: torch.Tensor, kind: str) -> torch.Tensor | None:
 class ValueAware:
     """The VATP rule over a ring base policy whose `buf.score` is S_k (higher = keep): it
     replaces the base's prompt ranking (`prefix_rank`) and victim values
-    (`victim_candidates`); everything else is the base's."""
-    fixed_norm = None                           # vatp-pin: "none" (no --policy-arg norm)
+    (`victim_candidates`); everything else is the base's. The concrete classes declare the
+    arguments `base`, `sinks` and `norm`."""
+    fixed_norm = None                           # vatp-pin: "none", the only norm it accepts
 
-    def __init__(self, budget=None, budget_tokens=None, **args):
-        super().__init__(budget, budget_tokens, **args)
-        self.opts["base"] = str(self.opts["base"]).lower()
-        self.opts["norm"] = self.fixed_norm or str(self.opts["norm"]).lower()
-        if self.opts["base"] not in BASES:
-            raise UserError(f"--policy-arg base={self.opts['base']}: expected one of "
-                            f"{', '.join(BASES)}")
-        if self.opts["norm"] not in NORMS:
-            raise UserError(f"--policy-arg norm={self.opts['norm']}: expected one of "
-                            f"{', '.join(NORMS)}")
-        if self.opts["sinks"] < 0:
-            raise UserError(f"--policy-arg sinks={self.opts['sinks']}: must be >= 0")
+    def __post_init__(self):
+        super().__post_init__()
+        # a frozen dataclass normalises its own fields once, here
+        object.__setattr__(self, "base", str(self.base).lower())
+        object.__setattr__(self, "norm", str(self.norm).lower())
+        if self.base not in BASES:
+            raise UserError(f"--policy-arg base={self.base}: expected one of {', '.join(BASES)}")
+        if self.fixed_norm and self.norm != self.fixed_norm:
+            raise UserError(f"policy '{self.name}' pins without a value norm (got --policy-arg "
+                            f"norm={self.norm}); use policy 'vatp' for a norm")
+        if self.norm not in NORMS:
+            raise UserError(f"--policy-arg norm={self.norm}: expected one of {', '.join(NORMS)}")
+        if self.sinks < 0:
+            raise UserError(f"--policy-arg sinks={self.sinks}: must be >= 0")
 
     def min_prefix(self) -> int:
-        return min(1, self.opts["sinks"])       # room for at least the first token
+        return min(1, self.sinks)               # room for at least the first token
 
-    def pinned_count(self) -> int:
+    def pinned_count(self, layout) -> int:
         """F, capped at the heavy (prefix) slots (see the module docstring)."""
-        return min(self.opts["sinks"], self.prefix)
+        return min(self.sinks, layout.prefix)
 
-    def describe(self) -> dict:
-        pinned = self.pinned_count()
-        return {**super().describe(), "pinned": pinned, "heavy": self.prefix - pinned}
+    def describe(self, layout=None) -> dict:
+        d = super().describe(layout)
+        if layout is not None:
+            pinned = self.pinned_count(layout)
+            d.update(pinned=pinned, heavy=layout.prefix - pinned)
+        return d
 
     def value_weight(self, v: torch.Tensor) -> torch.Tensor | None:
         """(n, rows, d) -> (n, rows) fp32 multiplier of the score, or None (no weight)."""
-        return value_norm(v, self.opts["norm"])
+        return value_norm(v, self.norm)
 
-    def value_aware(self, score, v, pos, valid) -> torch.Tensor:
+    def value_aware(self, layout, score, v, pos, valid) -> torch.Tensor:
         """I = S * ||v|| (Eq. 4); the first F real tokens get +inf (never evicted).
         score, pos, valid (n, rows); v (n, rows, d)."""
         w = self.value_weight(v)
         imp = score if w is None else score * w
-        sink = valid & (pos < self.pinned_count())
+        sink = valid & (pos < self.pinned_count(layout))
         return torch.where(sink, float("inf"), imp)
 
-    def prefix_rank(self, scores, k, v, pos, valid):
-        return self.value_aware(super().prefix_rank(scores, k, v, pos, valid), v, pos, valid)
+    def prefix_rank(self, buf, scores, k, v, pos, valid):
+        return self.value_aware(buf.layout, super().prefix_rank(buf, scores, k, v, pos, valid),
+                                v, pos, valid)
 
     def base_score(self, buf, slots) -> torch.Tensor:
         """The base policy's S_k of `slots` (n, rows), >= 0, higher = keep."""
@@ -110,49 +119,58 @@ class ValueAware:
 
     def victim_candidates(self, buf):
         slots = candidate_slots(buf, buf.ring_start, True)
-        imp = self.value_aware(self.base_score(buf, slots), buf.v[slots], buf.pos[slots],
-                               buf.valid[slots])
+        imp = self.value_aware(buf.layout, self.base_score(buf, slots), buf.v[slots],
+                               buf.pos[slots], buf.valid[slots])
         return buf.ring_start, True, imp
 
 
+@dataclass(frozen=True)
 class VATPOverScissorhands(ValueAware, Scissorhands):
     """`vatp` with base=scissorhands. The defaults follow the VATP paper's Scissorhands (App. A,
     Eq. 3): 10 recent tokens, the rest selected by the attention summed over a history window
     of 400 queries (`score=attention`; the Scissorhands paper's low-attention counter stays
     available as `score=count`)."""
+    score: str = "attention"
+    base: str = "scissorhands"
+    sinks: int = 20
+    norm: str = "l1"
     name = "vatp"
-    args = {**Scissorhands.args, "score": "attention", "base": "h2o", "sinks": 20, "norm": "l1"}
 
     def base_score(self, buf, slots):
         return self.importance(buf, slots)
 
 
 @register
+@dataclass(frozen=True)
 class VATP(ValueAware, H2O):
+    base: str = "h2o"
+    sinks: int = 20
+    norm: str = "l1"
     name = "vatp"
-    args = {"base": "h2o", "sinks": 20, "norm": "l1"}
     over_scissorhands = VATPOverScissorhands
 
     @classmethod
     def create(cls, budget=None, budget_tokens=None, **args) -> Policy:
         """The rule over the base policy named by `base`."""
-        if str(args.get("base", cls.args["base"])).lower() == "scissorhands":
-            return cls.over_scissorhands(budget, budget_tokens, **args)
-        return cls(budget, budget_tokens, **args)
+        if str(args.get("base", "h2o")).lower() == "scissorhands":
+            return cls.over_scissorhands.from_args(budget, budget_tokens, **args)
+        return cls.from_args(budget, budget_tokens, **args)
 
 
+@dataclass(frozen=True)
 class VATPPinOverScissorhands(VATPOverScissorhands):
     """`vatp-pin` with base=scissorhands."""
+    norm: str = "none"
     name = "vatp-pin"
-    args = {k: v for k, v in VATPOverScissorhands.args.items() if k != "norm"}
     fixed_norm = "none"
 
 
 @register
+@dataclass(frozen=True)
 class VATPPin(VATP):
     """The ablation: first-F pinning over the base policy, no value norm (the control the
     paper lacks)."""
+    norm: str = "none"
     name = "vatp-pin"
-    args = {"base": "h2o", "sinks": 20}
     fixed_norm = "none"
     over_scissorhands = VATPPinOverScissorhands

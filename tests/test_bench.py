@@ -80,8 +80,9 @@ def test_warmup_runs_the_policy_under_test_and_it_evicts(monkeypatch):
     real_run, real_after, real_prefill = Engine.run, H2O.after_attention, H2O.prefill
 
     def spy_run(self, prompts, steps, policy, *a, **k):
-        runs.append((policy, steps, len(prompts[0])))
-        return real_run(self, prompts, steps, policy, *a, **k)
+        stats = real_run(self, prompts, steps, policy, *a, **k)
+        runs.append((policy, steps, len(prompts[0]), stats.layout))
+        return stats
 
     def spy_after(self, *a, **k):
         hooks.append((id(self), "decode"))
@@ -96,9 +97,9 @@ def test_warmup_runs_the_policy_under_test_and_it_evicts(monkeypatch):
     args = throughput.parse_args([a for a in SMALL if a != "--no-warmup"]
                                  + ["--policy", "h2o", "--budget", "0.5"])
     result = throughput.run(args)
-    (warm, warm_steps, warm_len), (timed, _, _) = runs
-    assert isinstance(warm, H2O) and warm is not timed and warm.evicts
-    assert warm_steps >= 2 and warm.slots - 1 < warm_len       # the prompt itself is compacted
+    (warm, warm_steps, warm_len, warm_layout), (timed, _, _, _) = runs
+    assert isinstance(warm, H2O) and warm is not timed and warm_layout.evicts
+    assert warm_steps >= 2 and warm_layout.capacity < warm_len   # the prompt itself is compacted
     warm_hooks = [kind for who, kind in hooks if who == id(warm)]
     assert "prefill" in warm_hooks and warm_hooks.count("decode") > 0
     assert result["kernel_build_s"] is None                    # CPU: the reference, no build
@@ -111,8 +112,8 @@ def test_warmup_policy_evicts_at_the_warmup_length(name):
     from flexevict.policies import PolicySpec
     policy, length = warmup_policy(PolicySpec.parse(name, 0.2), max_prompt=2048)
     assert length >= WARMUP_PROMPT and policy.name == name
-    committed = policy.capacity(length, WARMUP_TOKENS)
-    assert policy.evicts and committed < length
+    layout = policy.layout(length, WARMUP_TOKENS)
+    assert layout.evicts and layout.capacity < length
 
 
 def test_warmup_of_full_is_full_and_fits_short_prompts():

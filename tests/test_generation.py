@@ -279,7 +279,7 @@ def test_kv_buffer_never_grows(monkeypatch):
     monkeypatch.setattr(E, "allocate", spy)
     run(model, prompts, n=5)
     assert len(seen) == model.config.num_layers
-    cap = policy.capacity(6, 5)
+    cap = policy.layout(6, 5).capacity
     for buf in seen:
         assert buf.capacity == cap and buf.k.shape[0] == cap + 1
         assert buf.used == cap                    # prompt (padded to 6) + 4 fed tokens

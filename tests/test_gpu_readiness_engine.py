@@ -16,7 +16,7 @@ import flexevict.runtime.offload as offload
 from flexevict.runtime.engine import Engine, EvictionClock, _like
 from flexevict.runtime.generation import generate
 from flexevict.core.kernels.quant import Packed4bit
-from flexevict.core.kv import KVBuffer
+from flexevict.core.kv import KVBuffer, Layout
 from flexevict.runtime.offload import load_into, store_into
 from flexevict.runtime.memory import MemoryPlan
 from flexevict.runtime.offload import Lane, Tiers, host_bytes, park_bytes, pinned_size
@@ -55,7 +55,7 @@ def test_a_buffer_lives_entirely_in_its_home_tier(tier, compress, tmp_path):
     tiers = Tiers(META, str(tmp_path), pin=False)
     model = SimpleNamespace(config=CONFIGS["llama-gqa"], dtype=torch.float32, device=META)
     try:
-        for buf in engine_mod.allocate(model, 8, 3, tiers.alloc(tier)):
+        for buf in engine_mod.allocate(model, Layout(9), 3, tiers.alloc(tier)):
             if compress:
                 put = lambda x: tiers.put(tier, x)  # noqa: E731
                 buf.k, buf.v = engine_mod.compressed(buf.k, put), engine_mod.compressed(buf.v, put)
@@ -83,10 +83,10 @@ def _decode(policy, buf, position, g):
     policy.after_attention(buf, slot, probs)
 
 
-def _cpu_home(capacity, rows, d, fields=()):
+def _cpu_home(layout, rows, d, fields=()):
     """A home as the engine makes it on a GPU run: compute device passed, CPU memory given."""
     cpu = lambda shape, dtype, device: torch.zeros(shape, dtype=dtype)  # noqa: E731
-    return KVBuffer(capacity, rows, d, torch.float32, META, alloc=cpu, fields=fields)
+    return KVBuffer(layout, rows, d, torch.float32, META, alloc=cpu, fields=fields)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in POLICIES if n != "full"))
@@ -97,11 +97,11 @@ def test_evicting_policy_round_trips_through_a_cpu_home(name):
     declared policy state included), and stays on its device."""
     rows, d, prompt, steps = 3, 4, 24, 10
     ref_policy, policy = (get_policy(name, budget_tokens=18) for _ in range(2))
-    cap = ref_policy.capacity(prompt, steps)
-    policy.capacity(prompt, steps)
-    assert ref_policy.evicts
-    ref = KVBuffer(cap, rows, d, torch.float32, "cpu", fields=ref_policy.fields())
-    home = _cpu_home(cap, rows, d, policy.fields())
+    ref_layout = ref_policy.layout(prompt, steps)
+    layout = policy.layout(prompt, steps)
+    assert ref_layout.evicts
+    ref = KVBuffer(ref_layout, rows, d, torch.float32, "cpu", fields=ref_policy.fields(ref_layout))
+    home = _cpu_home(layout, rows, d, policy.fields(layout))
     work = _like(home, "cpu")
     ref_policy.prefill(ref, *_prompt(prompt, rows, d, 0))
     policy.prefill(work, *_prompt(prompt, rows, d, 0))
@@ -126,8 +126,8 @@ def test_a_load_counts_the_declared_state_it_reads():
     """load_into reports the bytes it read: the core tensors and every declared field (the
     engine's traffic counts them), not only K, V and the per-slot rows."""
     policy = get_policy("scissorhands", budget_tokens=18)
-    cap = policy.capacity(24, 10)
-    home = _cpu_home(cap, 3, 4, policy.fields())
+    layout = policy.layout(24, 10)
+    home = _cpu_home(layout, 3, 4, policy.fields(layout))
     declared = sum(t.numel() * t.element_size() for t in home.policy_state.values()
                    if isinstance(t, torch.Tensor))
     assert declared > 0
@@ -138,7 +138,7 @@ def test_evicting_policy_runs_on_a_cpu_home_directly():
     """--cpu-cache-compute: eviction runs on the home itself (its rows index included)."""
     rows, d, prompt = 2, 4, 12
     policy = get_policy("h2o", budget_tokens=7)
-    home = _cpu_home(policy.capacity(prompt, 8), rows, d)
+    home = _cpu_home(policy.layout(prompt, 8), rows, d)
     policy.prefill(home, *_prompt(prompt, rows, d, 0))
     g = torch.Generator().manual_seed(1)
     for i in range(8):
@@ -416,7 +416,7 @@ def _spy_steps(monkeypatch, read) -> list:
 
 def _plan(e, prompts, steps, dtype) -> MemoryPlan:
     longest = max(len(p) for p in prompts)
-    slots = get_policy("h2o", budget=0.5).capacity(longest, steps) + 1
+    slots = get_policy("h2o", budget=0.5).layout(longest, steps).capacity + 1
     return MemoryPlan(e.config, e.placement, dtype, len(prompts), longest, steps, slots)
 
 

@@ -10,6 +10,8 @@ Prefill: the attention output comes from SDPA with a causal flag and no S x S ma
 handled by rolling rows, `model.causal_attention`), the column sums from a separate blockwise
 pass (`kernels.prefill_column_sums`); both are checked against eager softmax attention.
 """
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -193,7 +195,8 @@ def test_decode_step_has_no_host_sync(name, arch, monkeypatch):
     policy = run_policy(model_for(arch), name)
     assert seen["steps"] == (NEW_TOKENS - 1) * CONFIGS[arch].num_layers
     if name != "full":
-        assert policy.evicts and seen["evicting"] > 0, "the run must exercise eviction"
+        assert policy.layout(max(PROMPTS), NEW_TOKENS).evicts and seen["evicting"] > 0, \
+            "the run must exercise eviction"
 
 
 class CudaSyncsAreErrors:
@@ -222,7 +225,7 @@ def test_decode_step_never_syncs_on_gpu(name, arch, backend, monkeypatch):
     policy = run_policy(model, name)
     assert seen["steps"] == (NEW_TOKENS - 1) * CONFIGS[arch].num_layers
     if name != "full":
-        assert policy.evicts and seen["evicting"] > 0
+        assert policy.layout(max(PROMPTS), NEW_TOKENS).evicts and seen["evicting"] > 0
 
 
 @pytest.mark.parametrize("name", ["buzz", "buzz-logn"])
@@ -336,11 +339,11 @@ def test_prompt_statistics_equal_the_previous_pass(case):
     every real key (pad keys are never kept)."""
     name = case.split("-")[0]
     policy = get_policy(name, budget_tokens=20, **FOLDS[case])
-    policy.capacity(40, 20)
+    fold = functools.partial(policy.prompt_scores, policy.layout(40, 20))
     q, k, v, valid = qkv(3, 4, 2, 21, 8, seed=9, pads=(0, 6, 13))
-    got = kernels.prefill_column_sums(q, k, valid, 8 ** -0.5, block=4, fold=policy.prompt_scores)
+    got = kernels.prefill_column_sums(q, k, valid, 8 ** -0.5, block=4, fold=fold)
     _, want = ref.prefill_attention(q, k, v, prefill_mask(valid), valid, 8 ** -0.5, block=4,
-                                    fold=policy.prompt_scores)
+                                    fold=fold)
     real = valid[:, None].expand(got.shape[:3])
     if got.dtype == torch.uint8:
         assert torch.equal(got[real], want[real])
@@ -387,10 +390,12 @@ def test_model_prefill_equals_eager_attention(arch, name, monkeypatch):
 
     def prefill(model):
         policy = get_policy(name, budget_tokens=None if name == "full" else 8)
-        real = policy.prefill
-        policy.prefill = lambda buf, k, v, pos, valid, scores=None, **kw: (
-            seen.setdefault(buf.layer, []).append(scores), real(buf, k, v, pos, valid, scores))
-        logits, _ = engine_logits(model, prompts, [], policy)       # (B, S, V)
+        real = type(policy).prefill
+        with monkeypatch.context() as patch:                        # policies are frozen
+            patch.setattr(type(policy), "prefill", lambda self, buf, k, v, pos, valid,
+                          scores=None, **kw: (seen.setdefault(buf.layer, []).append(scores),
+                                              real(self, buf, k, v, pos, valid, scores)))
+            logits, _ = engine_logits(model, prompts, [], policy)   # (B, S, V)
         assert logits.isfinite().all()
         valid = left_pad(prompts, 0, "cpu")[1]
         return logits[valid], valid

@@ -15,7 +15,7 @@ from flexevict.core.config import ModelConfig
 from flexevict.runtime.generation import Sampling, generate
 from flexevict.core.kernels import ext
 from flexevict.core.kernels import reference as ref
-from flexevict.core.kv import KVBuffer
+from flexevict.core.kv import KVBuffer, Layout
 from flexevict.core.model import Transformer, prefill_mask
 from flexevict.policies import POLICIES, get_policy
 from flexevict.policies.base import add_attention
@@ -115,7 +115,7 @@ def test_fused_score_accumulation_counts_once():
     """attend(score=True) adds the step's attention to buf.score itself; add_attention adds
     probabilities only when they were not already scored, so each step counts once."""
     from flexevict.core.model import attend
-    buf = KVBuffer(4, 2, 3, torch.float32, "cpu")
+    buf = KVBuffer(Layout(5), 2, 3, torch.float32, "cpu")
     buf.write(0, torch.randn(2, 3), torch.randn(2, 3), torch.tensor([0, 0], dtype=torch.int32))
     buf.write(1, torch.randn(2, 3), torch.randn(2, 3), torch.tensor([1, 1], dtype=torch.int32))
     q = torch.randn(2, 1, 3)
@@ -160,7 +160,7 @@ def test_prefill_attention_reference_vs_dense(b, h, hk, s, d, block):
 
 def hand_buffer():
     """One row, 4 committed slots + scratch: scores 0.5, 0.2, 0.2, 0.9 at positions 3, 1, 0, 2."""
-    buf = KVBuffer(4, 1, 2, torch.float32, "cpu")
+    buf = KVBuffer(Layout(5), 1, 2, torch.float32, "cpu")
     for slot, pos in enumerate([3, 1, 0, 2, 4]):
         buf.write(slot, torch.full((1, 2), float(slot)), torch.full((1, 2), -float(slot)),
                   torch.tensor([pos], dtype=torch.int32))
@@ -194,7 +194,7 @@ def test_ring_and_replace_commits():
 
 
 def test_hash_victims_farthest_key_with_sinks_protected():
-    buf = KVBuffer(5, 1, 2, torch.float32, "cpu")
+    buf = KVBuffer(Layout(6), 1, 2, torch.float32, "cpu")
     codes = [0b1111, 0b0000, 0b0011, 0b0001, 0b0111]                # slot 0 is a sink
     for slot, c in enumerate(codes):
         buf.write(slot, torch.zeros(1, 2), torch.zeros(1, 2),
@@ -231,7 +231,7 @@ def test_compact_prompt_reference_vs_python():
     valid[:19, 3] = False
     pos = (valid.long().cumsum(0) - 1).clamp(min=0).to(torch.int32)
     rank = torch.randint(0, 4, (s, rows), generator=gen).float()    # many ties
-    buf = KVBuffer(prefix + ring, rows, 3, torch.float32, "cpu")
+    buf = KVBuffer(Layout(prefix + ring + 1), rows, 3, torch.float32, "cpu")
     kernels.compact_prompt(buf, k, -k, pos, valid, rank, rank, prefix, ring)
     for r in range(rows):
         keep, holes = python_compact(valid[:, r].tolist(), rank[:, r].tolist(), prefix, ring)
@@ -244,7 +244,7 @@ def test_compact_prompt_reference_vs_python():
 def test_buzz_pass_hand_example():
     """k=1, w=2, T=3, s=3: 8 tokens, middle 5 > T; the 2 old tokens are sampled every 2nd, the
     3 new ones form one chunk that keeps its (first) maximum."""
-    buf = KVBuffer(8, 1, 1, torch.float32, "cpu")
+    buf = KVBuffer(Layout(9), 1, 1, torch.float32, "cpu")
     for slot in range(8):
         buf.write(slot, torch.tensor([[float(slot)]]), torch.tensor([[0.0]]),
                   torch.tensor([slot], dtype=torch.int32))
@@ -299,7 +299,7 @@ def test_quantize_constant_group_and_padding():
 # ---------------------------------------------------------------- argument checks
 
 def _buf():
-    return KVBuffer(4, 2, 3, torch.float32, "cpu")
+    return KVBuffer(Layout(5), 2, 3, torch.float32, "cpu")
 
 
 BAD_CALLS = {
@@ -453,7 +453,7 @@ def random_buffer(cap, rows, d, dtype, seed, ring_start, ties=True) -> KVBuffer:
     """A full buffer with random K/V, tied scores, unique positions and some empty slots, plus a
     token in the scratch slot."""
     gen = cuda_gen(seed)
-    buf = KVBuffer(cap, rows, d, dtype, "cuda")
+    buf = KVBuffer(Layout(cap + 1), rows, d, dtype, "cuda")
     buf.k.copy_(torch.randn(cap + 1, rows, d, device="cuda", generator=gen))
     buf.v.copy_(torch.randn(cap + 1, rows, d, device="cuda", generator=gen))
     raw = torch.rand(cap + 1, rows, device="cuda", generator=gen)
@@ -564,7 +564,7 @@ def test_compact_prompt_kernel(built, reference_only, dtype, s, rows, d, prefix,
         valid[: (s * r) // rows if r < rows - 1 else s - (prefix + ring) // 2, r] = False
     pos = (valid.long().cumsum(0) - 1).clamp(min=0).to(torch.int32)
     scores = (torch.rand(s, rows, device="cuda", generator=gen) * 8).floor()   # ties
-    buf = KVBuffer(prefix + ring, rows, d, dtype, "cuda")
+    buf = KVBuffer(Layout(prefix + ring + 1), rows, d, dtype, "cuda")
     buf.k[:prefix + ring].fill_(float("nan"))                       # poison the destination
     buf.score[:prefix + ring].fill_(float("nan"))
     (a, _), (b, _) = both(
@@ -602,8 +602,9 @@ def test_buzz_pass_kernel(built, reference_only, rows, k, w, T, s, cap):
 def test_cascade_update_kernel(built, reference_only, reduce, kv, batch, slots, opts):
     d, rows, prompt = 32, kv * batch, slots + 20
     policy = get_policy("cascade", budget_tokens=slots, reduce=reduce, **opts)
-    cap = policy.capacity(prompt, 200)
-    buf = KVBuffer(cap, rows, d, torch.float16, "cuda", kv_heads=kv, fields=policy.fields())
+    layout = policy.layout(prompt, 200)
+    buf = KVBuffer(layout, rows, d, torch.float16, "cuda", kv_heads=kv,
+                   fields=policy.fields(layout))
     gen = cuda_gen(slots + kv)
     kk = torch.randn(prompt, rows, d, device="cuda", generator=gen).half()
     valid = torch.ones(prompt, rows, dtype=torch.bool, device="cuda")

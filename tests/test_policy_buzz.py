@@ -22,9 +22,9 @@ D = 4  # head dim of the hand-made buffers
 
 def make(k, w, T, s, prompt_len, gen_len=8, rows=1, name="buzz"):
     policy = get_policy(name, budget_tokens=k + w + T + 1, k=k, w=w, T=T, s=s)
-    cap = policy.capacity(prompt_len, gen_len)
-    assert policy.evicts and (policy.k, policy.w, policy.T, policy.s) == (k, w, T, s)
-    return policy, KVBuffer(cap, rows, D, torch.float32, "cpu", fields=policy.fields())
+    layout = policy.layout(prompt_len, gen_len)
+    assert layout.evicts and (layout.k, layout.w, layout.T, layout.s) == (k, w, T, s)
+    return policy, KVBuffer(layout, rows, D, torch.float32, "cpu", fields=policy.fields(layout))
 
 
 def kv_for(pos, rows):
@@ -86,7 +86,7 @@ EX1_SCORES = [5.0, .5, .9, .1, .2, .3, .8, .7, .1, .05, .4, .6]
 
 def test_example1_prefill_and_two_decode_steps():
     policy, buf = make(k=1, w=2, T=4, s=3, prompt_len=12)
-    assert policy.sh == 2
+    assert buf.layout.s_hat == 2
     prefill(policy, buf, EX1_SCORES)
     # chunks [1,2,3]->2, [4,5,6]->6, [7,8,9]->7; sink [0], window [10, 11]
     assert kept(buf) == [0, 2, 6, 7, 10, 11] and buf.used == 6
@@ -120,7 +120,7 @@ def test_example2_prefill_samples_until_it_fits():
 
 def test_example3_even_stride():
     policy, buf = make(k=2, w=2, T=6, s=4, prompt_len=14)
-    assert policy.sh == 2
+    assert buf.layout.s_hat == 2
     prefill(policy, buf, [9, 8, 1, 5, 2, 2, 7, 3, 0, 4, 6, 1, 0, 0])
     # middle 2..11: chunks [2..5]->3, [6..9]->6, [10,11]->10
     assert kept(buf) == [0, 1, 3, 6, 10, 12, 13]
@@ -140,9 +140,9 @@ def test_ties_pick_the_first_token_of_a_chunk():
 @pytest.mark.parametrize("slots, expect", [(201, (4, 36, 160)), (165, (4, 30, 130))])
 def test_budget_derivation_matches_the_papers_settings(slots, expect):
     p = get_policy("buzz", budget_tokens=slots)
-    p.capacity(10_000, 100)
-    assert (p.k, p.w, p.T, p.s) == (*expect, 5)
-    d = p.describe()
+    lay = p.layout(10_000, 100)
+    assert (lay.k, lay.w, lay.T, lay.s) == (*expect, 5)
+    d = p.describe(lay)
     assert d["peak_tokens"] == slots - 1 and d["w"] == expect[1] and d["T"] == expect[2]
 
 
@@ -151,21 +151,19 @@ def test_budget_derivation_follows_theorem_3_1(s):
     ratio = (s * s + 1) / (s + 1) if s % 2 else s - 1
     for slots in range(60, 400, 7):
         p = get_policy("buzz", budget_tokens=slots, s=s)
-        p.capacity(10_000, 100)
-        assert p.k + p.w + p.T + 1 == slots                   # every slot used, none over
-        assert ratio <= p.T / p.w < ratio + 2 * s / p.w       # eq. (13)/(14)
+        lay = p.layout(10_000, 100)
+        assert lay.k + lay.w + lay.T + 1 == slots             # every slot used, none over
+        assert ratio <= lay.T / lay.w < ratio + 2 * s / lay.w  # eq. (13)/(14)
 
 
 def test_overrides_and_minimum():
-    p = get_policy("buzz", budget_tokens=100, w=10)
-    p.capacity(1000, 10)
-    assert (p.w, p.T) == (10, 85)
-    p = get_policy("buzz", budget_tokens=100, T=50, k=2)
-    p.capacity(1000, 10)
-    assert (p.k, p.w, p.T) == (2, 47, 50)
+    lay = get_policy("buzz", budget_tokens=100, w=10).layout(1000, 10)
+    assert (lay.w, lay.T) == (10, 85)
+    lay = get_policy("buzz", budget_tokens=100, T=50, k=2).layout(1000, 10)
+    assert (lay.k, lay.w, lay.T) == (2, 47, 50)
     p = get_policy("buzz", budget_tokens=100, w=10, T=20, s="3")   # CLI strings are coerced
-    p.capacity(1000, 10)
-    assert (p.w, p.T, p.s, p.sh) == (10, 20, 3, 2)
+    lay = p.layout(1000, 10)
+    assert (lay.w, lay.T, lay.s, lay.s_hat) == (10, 20, 3, 2)
     assert get_policy("buzz", budget_tokens=8).minimum_slots() == 8          # 4 + 1 + 2 + 1
     assert get_policy("buzz", budget_tokens=8, w=3, T=9).minimum_slots() == 17
 
@@ -176,12 +174,12 @@ def test_steady_state_matches_the_seed_table():
                                             (4, 160, 5, 400): (258, 564, 413.7, (93, 94)),
                                             (4, 36, 5, 160): (78, 200, 138.9, (38,))}.items():
         p = get_policy("buzz", budget_tokens=k + w + T + 1, k=k, w=w, T=T, s=s)
-        p.capacity(1000, 3001)
-        sizes = p.simulate(1000, 3000)[1:]
+        lay = p.layout(1000, 3001)
+        sizes = lay.simulate(1000, 3000)[1:]
         assert (min(sizes), max(sizes)) == (lo, hi)
         assert sum(sizes) / len(sizes) == pytest.approx(mean, abs=0.05)
         steady = min(sizes[-500:]) - k - w                    # old count right after a pass
-        assert steady in a and abs(steady - p.a_star()) <= 2
+        assert steady in a and abs(steady - lay.a_star()) <= 2
 
 
 def test_one_pass_always_fits_for_every_stride_and_threshold():
@@ -221,8 +219,8 @@ def test_random_multirow_traces_match_the_reference(k, w, T, s):
     lengths = [30, 30, 21, 9, 2]
     rows, group, S, steps = len(lengths), 2, max(lengths), 45
     policy = get_policy("buzz", budget_tokens=k + w + T + 1, k=k, w=w, T=T, s=s)
-    buf = KVBuffer(policy.capacity(S, steps + 1), rows, D, torch.float32, "cpu",
-                   fields=policy.fields())
+    layout = policy.layout(S, steps + 1)
+    buf = KVBuffer(layout, rows, D, torch.float32, "cpu", fields=policy.fields(layout))
     valid = torch.zeros(S, rows, dtype=torch.bool)
     pos = torch.zeros(S, rows, dtype=torch.int32)
     for r, n in enumerate(lengths):
@@ -283,6 +281,7 @@ class Traced:
 
     def __init__(self, monkeypatch):
         self.bufs = []
+        self.monkeypatch = monkeypatch
         orig = E.allocate
 
         def allocate(*a, **kw):
@@ -293,12 +292,13 @@ class Traced:
 
     def run(self, model, ps, n_new, policy, check=None):
         if check is not None:
-            inner = policy.after_attention
+            inner = type(policy).after_attention
 
-            def after(buf, slot, probs, scored=False):
-                inner(buf, slot, probs, scored)
+            def after(self, buf, slot, probs, scored=False):
+                inner(self, buf, slot, probs, scored)
                 check(buf)
-            policy.after_attention = after
+            # policies are frozen: wrap the hook on the class (undone with the monkeypatch)
+            self.monkeypatch.setattr(type(policy), "after_attention", after)
         return generate(model, ps, n_new, policy, Sampling(), stop_ids=(), pad_id=0)
 
 
@@ -312,11 +312,11 @@ def test_invariants_through_the_model(monkeypatch, key, name):
     used0 = []
 
     def check(buf):
-        nk = model.config.num_kv_heads
+        nk, lay = model.config.num_kv_heads, buf.layout
         if buf is tr.bufs[-1][0]:
             step["n"] += 1
             used0.append(int(buf.valid[:, 0].sum()))           # row 0: the longest prompt
-        assert buf.valid.sum(0).max() <= policy.slots - 1
+        assert buf.valid.sum(0).max() <= lay.slots - 1
         assert buf.used == buf.valid.sum(0).max()              # compaction leaves no holes
         assert buf.used <= buf.capacity and not buf.valid[buf.used:].any()
         for r in range(buf.valid.shape[1]):
@@ -326,18 +326,19 @@ def test_invariants_through_the_model(monkeypatch, key, name):
             hi = plen + step["n"]                                # positions 0 .. hi - 1 exist
             assert int(p.min()) >= 0 and int(p.max()) == hi - 1
             # sinks and window always present (the window includes the current token)
-            must = set(range(policy.k)) | set(range(hi - policy.w, hi))
+            must = set(range(lay.k)) | set(range(hi - lay.w, hi))
             assert must <= set(p.tolist())
             # the middle never exceeds T
-            assert p.numel() <= policy.k + policy.w + policy.T
+            assert p.numel() <= lay.k + lay.w + lay.T
 
     tr.run(model, prompts(lengths), n_new, policy, check)
-    assert policy.evicts and policy.slots == 20 and (policy.k, policy.w, policy.T) == (4, 2, 13)
+    lay = tr.bufs[-1][0].layout                              # the run's resolved layout
+    assert lay.evicts and lay.slots == 20 and (lay.k, lay.w, lay.T) == (4, 2, 13)
     assert step["n"] == n_new - 1
     # the unpadded row's count follows the rules exactly, as simulated for describe()
-    assert used0 == policy.simulate(max(lengths), n_new - 1)[1:]
-    assert policy.describe()["avg_tokens"] == pytest.approx(sum(used0) / len(used0), abs=0.01)
-    assert policy.describe()["peak_tokens"] == 19 >= max(used0)
+    assert used0 == lay.simulate(max(lengths), n_new - 1)[1:]
+    assert policy.describe(lay)["avg_tokens"] == pytest.approx(sum(used0) / len(used0), abs=0.01)
+    assert policy.describe(lay)["peak_tokens"] == 19 >= max(used0)
 
 
 @pytest.mark.parametrize("key", list(CFGS))
@@ -378,7 +379,8 @@ def test_no_eviction_is_bit_identical_to_full(key):
     ref = logits_of(model, ps, n_new, get_policy("full"))
     for policy in (get_policy("buzz", budget=1.0), get_policy("buzz", budget_tokens=500)):
         got = logits_of(model, ps, n_new, policy)
-        assert not policy.evicts and len(got) == len(ref) == n_new
+        lay = policy.layout(max(map(len, ps)), n_new)         # what generate resolves
+        assert not lay.evicts and len(got) == len(ref) == n_new
         assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
@@ -416,11 +418,11 @@ def test_bad_input(name):
     with pytest.raises(UserError, match="unknown --policy-arg"):
         get_policy(name, budget=0.5, window=3)
     with pytest.raises(UserError, match="minimum of 8"):
-        get_policy(name, budget_tokens=7).capacity(100, 10)
+        get_policy(name, budget_tokens=7).layout(100, 10)
     with pytest.raises(UserError, match="minimum of 8"):
-        get_policy(name, budget=0.05).capacity(100, 10)
+        get_policy(name, budget=0.05).layout(100, 10)
     with pytest.raises(UserError, match="minimum of 20"):
-        get_policy(name, budget_tokens=19, w=5, T=10).capacity(100, 10)
+        get_policy(name, budget_tokens=19, w=5, T=10).layout(100, 10)
     with pytest.raises(UserError, match="stride"):
         get_policy(name, s=2)
     with pytest.raises(UserError, match="threshold"):
@@ -438,7 +440,8 @@ def test_pos_shift_switches_rope_positions():
         on = get_policy("buzz", budget_tokens=16)
         off = get_policy("buzz", budget_tokens=16, pos_shift="false")
         a, b = logits_of(model, ps, 20, on), logits_of(model, ps, 20, off)
-        assert on.rope_in_cache and not off.rope_in_cache
-        assert on.describe()["pos_shift"] and not off.describe()["pos_shift"]
+        lay_on, lay_off = on.layout(40, 20), off.layout(40, 20)   # what generate resolves
+        assert lay_on.rope_in_cache and not lay_off.rope_in_cache
+        assert on.describe(lay_on)["pos_shift"] and not off.describe(lay_off)["pos_shift"]
         same = all(torch.equal(x, y) for x, y in zip(a, b))
         assert same == (key == "opt")

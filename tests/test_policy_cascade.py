@@ -1,6 +1,7 @@
 """`cascade` (Cascading KV Cache, paper 002): the seed report's worked examples on hand-made
 tensors, a plain-Python Algorithm 1 reference on random traces, Eq. 4, and end-to-end invariants
 through the tiny random models."""
+import functools
 import math
 import random
 import struct
@@ -22,8 +23,8 @@ D = 2   # head dim of the hand-made buffers
 
 def make(budget_tokens, prompt_len, gen_len, rows=1, kv_heads=None, **args):
     policy = get_policy("cascade", budget_tokens=budget_tokens, **args)
-    cap = policy.capacity(prompt_len, gen_len)
-    buf = KVBuffer(cap, rows, D, torch.float32, "cpu", fields=policy.fields())
+    layout = policy.layout(prompt_len, gen_len)
+    buf = KVBuffer(layout, rows, D, torch.float32, "cpu", fields=policy.fields(layout))
     if kv_heads is not None:
         buf.kv_heads = kv_heads
     return policy, buf
@@ -69,7 +70,7 @@ EXAMPLE_A = {
 
 def test_example_a_schedule_decode():
     policy, buf = make(11, 2, 38, sinks=2)
-    assert policy.sizes == [2, 2, 2, 2] and buf.capacity == 10
+    assert buf.layout.sizes == (2, 2, 2, 2) and buf.capacity == 10
     prefill(policy, buf, 2)
     for t in range(2, 40):
         assert step(policy, buf, t) == buf.scratch
@@ -271,10 +272,10 @@ def test_matches_reference_on_random_traces(args):
     # the prompt is scored all-zero here; decode tokens get random quantised probabilities
     prefill(policy, buf, max(lens), torch.zeros(max(lens), rows), valid)
     red = {"mean": lambda v: sum(v) / len(v), "max": max,
-           "median": lambda v: sorted(v)[(len(v) - 1) // 2]}[policy.opts["reduce"]]
+           "median": lambda v: sorted(v)[(len(v) - 1) // 2]}[policy.reduce]
     refs = []
     for b, n in enumerate(lens):
-        r = Reference(3, policy.sizes, 0.5, policy.opts["tie_replace"], policy.opts["eager_fill"])
+        r = Reference(3, buf.layout.sizes, 0.5, policy.tie_replace, policy.eager_fill)
         for t in range(n):
             r.step(t, {x: 0.0 for x in range(t + 1)})
         refs.append(r)
@@ -320,9 +321,9 @@ def test_prefill_matches_reference(args):
         valid[p - n:, b * kv:(b + 1) * kv] = True
     scores = (torch.randint(0, 4, (p, rows), generator=g) * 0.5).float()   # ties happen
     prefill(policy, buf, p, scores, valid)
-    red = {"mean": lambda v: sum(v) / len(v), "max": max}[policy.opts["reduce"]]
+    red = {"mean": lambda v: sum(v) / len(v), "max": max}[policy.reduce]
     for b, n in enumerate(lens):
-        ref = Reference(3, policy.sizes, 0.5, policy.opts["tie_replace"], policy.opts["eager_fill"])
+        ref = Reference(3, buf.layout.sizes, 0.5, policy.tie_replace, policy.eager_fill)
         sc = scores[p - n:, b * kv:(b + 1) * kv]
         for t in range(n):
             ref.mu[t] = f32(red([sc[t, h].item() for h in range(kv)]))
@@ -344,15 +345,15 @@ def test_prompt_scores_are_the_streamed_ema():
     from flexevict.core.model import attention_with_column_sums
     g = torch.Generator().manual_seed(5)
     policy = get_policy("cascade", budget_tokens=45)
-    policy.capacity(60, 30)
-    gamma = policy.gamma
+    layout = policy.layout(60, 30)
+    gamma = layout.gamma
     assert 0.5 < gamma < 1
     b, h, hk, s, d = 2, 4, 2, 11, 8
     q, k, v = (torch.randn(b, n, s, d, generator=g) for n in (h, hk, hk))
     valid = torch.ones(b, s, dtype=torch.bool)
     valid[1, :4] = False
     _, stat = attention_with_column_sums(q, k, v, valid, d ** -0.5, block=3,
-                                         fold=policy.prompt_scores)
+                                         fold=functools.partial(policy.prompt_scores, layout))
     for bi in range(b):
         for kh in range(hk):
             mu = torch.zeros(s, dtype=torch.float64)
@@ -378,20 +379,20 @@ def test_eq4_approximate_context():
         prefill(policy, buf, 1500)
         window = sorted(kept(buf))[s:]
         span = window[-1] - window[0] + 1
-        assert policy.describe()["approx_context"] == w * (2 ** n_casc - 1)
+        assert policy.describe(buf.layout)["approx_context"] == w * (2 ** n_casc - 1)
         assert abs(span - w * (2 ** n_casc - 1)) <= 2 ** n_casc, (n_casc, span)
 
 
 def test_budget_split_and_gamma():
     policy = get_policy("cascade", budget_tokens=4 + 4 * 25 + 3 + 1)
-    policy.capacity(500, 100)
-    assert policy.sizes == [28, 25, 25, 25]             # the remainder goes to C_1
-    assert policy.gamma == pytest.approx(math.exp(-4 * math.log(100) / 103))
+    layout = policy.layout(500, 100)
+    assert layout.sizes == (28, 25, 25, 25)             # the remainder goes to C_1
+    assert layout.gamma == pytest.approx(math.exp(-4 * math.log(100) / 103))
     # App. B / Table 6: |C|/N = 2048/4 -> 0.991, 4096/4 -> 0.995
     for window, g in ((2048, 0.991), (4096, 0.995)):
         p = get_policy("cascade", budget_tokens=4 + window + 1)
-        p.capacity(10 ** 5, 1)
-        assert math.floor(p.gamma * 1000) / 1000 == g     # printed truncated
+        lay = p.layout(10 ** 5, 1)
+        assert math.floor(lay.gamma * 1000) / 1000 == g   # printed truncated
     assert get_policy("cascade").minimum_slots() == 9
 
 
@@ -414,13 +415,13 @@ def traced(monkeypatch, model, prompts, n_new, policy, check=None):
         bufs.extend(out)
         return out
     monkeypatch.setattr(E, "allocate", alloc)
-    real_after = policy.after_attention
+    real_after = type(policy).after_attention
 
-    def after(buf, slot, probs, scored=False):
-        real_after(buf, slot, probs, scored)
+    def after(self, buf, slot, probs, scored=False):
+        real_after(self, buf, slot, probs, scored)
         if check:
             check(buf)
-    monkeypatch.setattr(policy, "after_attention", after)
+    monkeypatch.setattr(type(policy), "after_attention", after)   # policies are frozen
     real_head = model.head
     monkeypatch.setattr(model, "head", lambda h, o=None: logits.append(real_head(h, o)) or logits[-1])
     out = generate(model, prompts, n_new, policy, Sampling(), stop_ids=(), pad_id=0)
@@ -437,8 +438,8 @@ def test_invariants_end_to_end(monkeypatch, key):
     seen_steps = []
 
     def check(buf):
-        slots = policy.slots
-        w0 = policy.sizes[0]
+        slots = buf.layout.slots
+        w0 = buf.layout.sizes[0]
         for b, n in enumerate(lengths):
             rows_pos = [kept(buf, b * kv + h) for h in range(kv)]
             assert all(r == rows_pos[0] for r in rows_pos)     # one decision for all heads
@@ -453,15 +454,16 @@ def test_invariants_end_to_end(monkeypatch, key):
         seen_steps.append(1)
 
     out, bufs, _ = traced(monkeypatch, model, prompts, n_new, policy, check)
-    assert policy.evicts and policy.slots == int(0.2 * (40 + n_new))
+    lay = bufs[0].layout                                   # the run's resolved layout
+    assert lay.evicts and lay.slots == int(0.2 * (40 + n_new))
     assert len(seen_steps) == (n_new - 1) * model.config.num_layers
     for buf in bufs:
-        assert int(buf.valid.sum(0).max()) <= policy.slots - 1
+        assert int(buf.valid.sum(0).max()) <= lay.slots - 1
         for b, n in enumerate(lengths):
             assert max(kept(buf, b * kv)) == n + n_new - 2           # the last fed token
     # the cache really cascades: older tokens than a plain window of the same size survive
     p = kept(bufs[0], 0)
-    assert min(p[policy.sinks:]) < 40 + n_new - 2 - (policy.slots - 1 - policy.sinks)
+    assert min(p[policy.sinks:]) < 40 + n_new - 2 - (lay.slots - 1 - policy.sinks)
 
 
 @pytest.mark.parametrize("key", ["llama-gqa", "opt"])
@@ -484,8 +486,8 @@ def test_full_budget_bit_identical(monkeypatch, key, budget):
     ref, _, ref_logits = traced(monkeypatch, model, prompts, 20, get_policy("full"))
     monkeypatch.undo()
     policy = get_policy("cascade", **budget)
-    out, _, logits = traced(monkeypatch, model, prompts, 20, policy)
-    assert not policy.evicts
+    out, bufs, logits = traced(monkeypatch, model, prompts, 20, policy)
+    assert not bufs[0].layout.evicts                      # the run's resolved layout
     assert out == ref and len(logits) == len(ref_logits) == 20
     assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
 
@@ -513,12 +515,12 @@ def test_bad_input():
     with pytest.raises(UserError, match="unknown --policy-arg"):
         get_policy("cascade", budget=0.5, window=3)
     with pytest.raises(UserError, match="minimum of 9"):
-        get_policy("cascade", budget_tokens=8).capacity(100, 10)
+        get_policy("cascade", budget_tokens=8).layout(100, 10)
     with pytest.raises(UserError, match="minimum of 7"):
-        get_policy("cascade", budget_tokens=6, sinks=2, cascades=4).capacity(100, 10)
-    get_policy("cascade", budget_tokens=7, sinks=2, cascades=4).capacity(100, 10)
+        get_policy("cascade", budget_tokens=6, sinks=2, cascades=4).layout(100, 10)
+    get_policy("cascade", budget_tokens=7, sinks=2, cascades=4).layout(100, 10)
     with pytest.raises(UserError, match="minimum"):
-        get_policy("cascade", budget=0.05).capacity(100, 60)
+        get_policy("cascade", budget=0.05).layout(100, 60)
     for bad in (dict(reduce="sum"), dict(cascades="0"), dict(sinks=-1), dict(gamma=1.5),
                 dict(cascades="x")):
         with pytest.raises(UserError):

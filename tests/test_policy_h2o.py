@@ -12,8 +12,8 @@ PROMPT_ROWS = [[1], [.6, .4], [.5, .1, .4], [.4, .1, .3, .2], [.3, .1, .3, .1, .
 
 
 def buffer_after_prompt(policy, prompt_len, gen_len, scores, rows=1, d=2):
-    cap = policy.capacity(prompt_len, gen_len)
-    buf = KVBuffer(cap, rows, d, torch.float32, "cpu", fields=policy.fields())
+    layout = policy.layout(prompt_len, gen_len)
+    buf = KVBuffer(layout, rows, d, torch.float32, "cpu", fields=policy.fields(layout))
     pos = torch.arange(prompt_len, dtype=torch.int32).unsqueeze(1).expand(-1, rows)
     k = pos.to(torch.float32).unsqueeze(-1).expand(-1, -1, d).contiguous()   # K encodes position
     policy.prefill(buf, k, k.clone(), pos.contiguous(), torch.ones(prompt_len, rows, dtype=torch.bool),
@@ -55,7 +55,7 @@ def test_h2o_worked_example():
     policy = get_policy("h2o", budget_tokens=5)
     colsum = prompt_colsum()
     buf = buffer_after_prompt(policy, 6, 4, colsum)
-    assert (policy.prefix, policy.ring) == (2, 2)
+    assert (buf.layout.prefix, buf.layout.ring) == (2, 2)
     assert kept(buf) == [0, 2, 4, 5]
     assert scores_by_pos(buf) == {0: 3.1, 2: 1.2, 4: 0.35, 5: 0.2}
     decode(policy, buf, 6, {0: .4, 2: .1, 4: .2, 5: .1, 6: .2})

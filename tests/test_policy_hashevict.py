@@ -22,8 +22,8 @@ NAME = "hashevict"
 
 def make(slots, prompt_len, gen_len, rows=1, d=4, **args):
     policy = get_policy(NAME, budget_tokens=slots, **args)
-    cap = policy.capacity(prompt_len, gen_len)
-    return policy, KVBuffer(cap, rows, d, torch.float32, "cpu", fields=policy.fields())
+    layout = policy.layout(prompt_len, gen_len)
+    return policy, KVBuffer(layout, rows, d, torch.float32, "cpu", fields=policy.fields(layout))
 
 
 def prefill(policy, buf, k, pos=None, q=None, valid=None):
@@ -159,7 +159,7 @@ def test_projection_is_seeded_per_layer():
 def test_worked_example_a_victim():
     """§1.8(a) through the hooks: no sinks, no recent window; k2 is evicted before attention."""
     policy, buf = make(4, 3, 2, sinks=0, recent=0, hash_bits=3)
-    assert (buf.capacity, policy.prefix, policy.ring) == (3, 2, 1)
+    assert (buf.capacity, buf.layout.prefix, buf.layout.ring) == (3, 2, 1)
     buf.constants[("hash_proj", "cpu")] = R_A
     prefill(policy, buf, K_A.unsqueeze(1))
     assert kept(buf) == [0, 1, 2]
@@ -184,7 +184,7 @@ def test_worked_example_b_budgeted_step():
     """§1.8(b): C=6 with 1 sink and 2 recent protected; positions [0,3,5,7,8,9], t=10,
     distances [3,2,5,5,4,1]: candidates 3, 5, 7 (2, 5, 5), tie -> oldest: position 5 goes."""
     policy, buf = make(7, 6, 8, d=8, sinks=1, recent=2, hash_bits=8)
-    assert (buf.capacity, policy.prefix, policy.ring) == (6, 3, 3)
+    assert (buf.capacity, buf.layout.prefix, buf.layout.ring) == (6, 3, 3)
     buf.constants[("hash_proj", "cpu")] = torch.eye(8)
     prefill(policy, buf, _example_b_keys().unsqueeze(1), pos=[0, 3, 5, 7, 8, 9])
     assert buf.pos[:6, 0].tolist() == [0, 3, 5, 7, 8, 9]
@@ -255,7 +255,7 @@ def test_decode_steps_match_reference(args):
     ties frequent; c = 40 exercises the buf.hash storage."""
     policy, buf, k, q = _random_run(**args)
     cap, n, rows = buf.capacity, k.shape[0], k.shape[1]
-    sinks, recent = policy.opts["sinks"], policy.opts["recent"]
+    sinks, recent = policy.sinks, policy.recent
     prefill(policy, buf, k[:cap])
     proj = policy._proj(buf)
     kb = bits(k, proj)
@@ -300,11 +300,11 @@ def test_replay_prefill_equals_sequential_decisions():
         assert kept(buf, r) == kept(buf2, r) == want
         stored = buf.pos[:cap, r].tolist()
         assert stored[:4] == [0, 1, 2, 3]
-        assert stored[policy.prefix:] == list(range(n - 11, n))      # ring, oldest at cursor
-        assert stored[4:policy.prefix] == sorted(stored[4:policy.prefix])
+        assert stored[buf.layout.prefix:] == list(range(n - 11, n))  # ring, oldest at cursor
+        assert stored[4:buf.layout.prefix] == sorted(stored[4:buf.layout.prefix])
         assert torch.equal(buf.k[:cap, r][buf.valid[:cap, r]],
                            k[buf.pos[:cap, r][buf.valid[:cap, r]].long(), r])
-    assert buf.cursor == buf.ring_start == policy.prefix and buf.used == cap
+    assert buf.cursor == buf.ring_start == buf.layout.prefix and buf.used == cap
     check_codes(policy, buf)
 
 
@@ -339,7 +339,7 @@ def test_replay_with_padding_and_short_rows():
 
 
 def test_prefill_recent_global():
-    policy, buf, k, q = _random_run(hash_bits=6, prefill="recent_global")
+    policy, buf, k, q = _random_run(hash_bits=6, prompt_pool="recent_global")
     prefill(policy, buf, k, q=q)
     assert kept(buf, 1) == [0, 1, 2, 3] + list(range(40 - 14, 40))
 
@@ -352,36 +352,39 @@ _ALLOCATE = E.allocate
 
 
 def traced_generate(monkeypatch, model, ps, gen_len, policy):
-    """generate() that checks every step's buffers; -> (outputs, buffers, steps seen)."""
+    """generate() that checks every step's buffers; -> (outputs, buffers, steps seen).
+    Policies are frozen: the hooks are wrapped on the class, for this call only."""
     bufs, steps = [], []
-    monkeypatch.setattr(E, "allocate", lambda *a: bufs.extend(_ALLOCATE(*a)) or bufs)
-    after, pre = policy.after_attention, policy.prefill
-    sinks, recent = policy.opts["sinks"], policy.opts["recent"]
+    cls = type(policy)
+    after, pre = cls.after_attention, cls.prefill
+    sinks, recent = policy.sinks, policy.recent
 
-    def on_prefill(buf, k, v, pos, valid, scores=None, **kw):
+    def on_prefill(self, buf, k, v, pos, valid, scores=None, **kw):
         assert scores is None                      # no attention column sums
-        pre(buf, k, v, pos, valid, scores, **kw)
+        pre(self, buf, k, v, pos, valid, scores, **kw)
         check(buf, (valid.sum(0) - 1).tolist())   # each row's last prompt token
 
-    def on_after(buf, slot, probs, scored=False):
+    def on_after(self, buf, slot, probs, scored=False):
         if slot == buf.scratch:                    # the victim got no attention
             assert (probs[buf.rows_index, :, buf.policy_state["victims"]] == 0).all()
         t = buf.pos[slot].tolist()                 # each row's new token
-        after(buf, slot, probs, scored)
+        after(self, buf, slot, probs, scored)
         check(buf, t)
         steps.append(t)
 
     def check(buf, ts):
-        assert int(buf.valid.sum(0).max()) <= policy.slots
+        assert int(buf.valid.sum(0).max()) <= buf.layout.slots
         for r, t in enumerate(ts):
             p = buf.pos[buf.valid[:, r], r].tolist()
             assert len(p) == len(set(p)) and all(0 <= x <= t for x in p)
             assert set(range(min(sinks, t + 1))) <= set(p)                 # sinks
             assert set(range(max(t - recent, 0), t + 1)) <= set(p)         # recent + new
 
-    monkeypatch.setattr(policy, "prefill", on_prefill)
-    monkeypatch.setattr(policy, "after_attention", on_after)
-    out = generate(model, ps, gen_len, policy, Sampling(), stop_ids=(), pad_id=0)
+    with monkeypatch.context() as m:
+        m.setattr(E, "allocate", lambda *a: bufs.extend(_ALLOCATE(*a)) or bufs)
+        m.setattr(cls, "prefill", on_prefill)
+        m.setattr(cls, "after_attention", on_after)
+        out = generate(model, ps, gen_len, policy, Sampling(), stop_ids=(), pad_id=0)
     return out, bufs, steps
 
 
@@ -391,7 +394,7 @@ def test_invariants_on_random_traces(monkeypatch, key):
     policy = get_policy(NAME, budget=0.2)
     ps = prompts([80], seed=1)
     out, bufs, steps = traced_generate(monkeypatch, model, ps, 40, policy)
-    assert policy.evicts and policy.slots == 24
+    assert all(buf.layout.evicts and buf.layout.slots == 24 for buf in bufs)
     assert len(steps) == 39 * len(bufs) and len(out[0]) == 40
     # the kept set is not a sinks + sliding window set: older middle tokens survived
     c, last = bufs[0].capacity, 80 + 38
@@ -426,24 +429,27 @@ def test_full_budget_bit_identical(monkeypatch, key, budget, lengths, gen):
     model = model_for(key)
     ps = prompts(lengths, seed=3)
 
-    def logits(policy):
+    def logits(policy, bufs=None):
         seen = []
         real = model.head
         with monkeypatch.context() as m:
             m.setattr(model, "head", lambda h, o=None: seen.append(real(h, o)) or seen[-1])
+            if bufs is not None:
+                m.setattr(E, "allocate", lambda *a: bufs.extend(_ALLOCATE(*a)) or bufs)
             generate(model, ps, gen, policy, Sampling(), stop_ids=(), pad_id=0)
         return seen
 
-    pol = get_policy(NAME, **budget)
-    got, want = logits(pol), logits(get_policy("full"))
-    assert not pol.evicts and len(got) == len(want) == gen
+    pol, bufs = get_policy(NAME, **budget), []
+    got, want = logits(pol, bufs), logits(get_policy("full"))
+    assert bufs and not any(buf.layout.evicts for buf in bufs)       # the run's layout
+    assert len(got) == len(want) == gen
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_prefill_is_attention_free():
     policy = get_policy(NAME, budget=0.2)
-    policy.capacity(400, 100)
-    assert policy.evicts and not policy.wants_prompt_scores()
+    layout = policy.layout(400, 100)
+    assert layout.evicts and not policy.wants_prompt_scores(layout)
     assert get_policy("h2o", budget=0.2).needs_prompt_scores
 
 
@@ -453,16 +459,16 @@ def test_bad_input():
     with pytest.raises(UserError, match="unknown --policy-arg"):
         get_policy(NAME, budget=0.5, window=3)
     with pytest.raises(UserError, match="minimum of 17"):
-        get_policy(NAME, budget_tokens=16).capacity(100, 10)
+        get_policy(NAME, budget_tokens=16).layout(100, 10)
     with pytest.raises(UserError, match="minimum of 9"):
-        get_policy(NAME, budget_tokens=8, sinks=2, recent=4).capacity(100, 10)
-    get_policy(NAME, budget_tokens=17).capacity(100, 10)
+        get_policy(NAME, budget_tokens=8, sinks=2, recent=4).layout(100, 10)
+    get_policy(NAME, budget_tokens=17).layout(100, 10)
     with pytest.raises(UserError, match="hash_source"):
         get_policy(NAME, budget=0.5, hash_source="value")
-    with pytest.raises(UserError, match="prefill"):
-        get_policy(NAME, budget=0.5, prefill="sequential")
+    with pytest.raises(UserError, match="prompt_pool"):               # was `prefill`
+        get_policy(NAME, budget=0.5, prompt_pool="sequential")
     with pytest.raises(UserError, match="hash_bits"):
         get_policy(NAME, budget=0.5, hash_bits="0")
     with pytest.raises(UserError, match="expected a int"):
         get_policy(NAME, budget=0.5, hash_bits="many")
-    assert get_policy(NAME, budget=0.5, hash_bits="8").opts["hash_bits"] == 8
+    assert get_policy(NAME, budget=0.5, hash_bits="8").hash_bits == 8

@@ -55,13 +55,14 @@ def test_random_trace_invariants(name, arch, monkeypatch):
     ps = rand_prompts([60, 45, 52], seed=3)                     # left padding included
     policy = get_policy(name, budget=0.3)
     _, bufs = record(monkeypatch)
-    seen = []
+    seen, layouts = [], set()
     real_after = type(policy).after_attention
 
     def checked(self, buf, slot, probs, scored=False):
         real_after(self, buf, slot, probs, scored)
         committed = buf.valid[:buf.capacity]
-        assert int(buf.valid.sum(0).max()) <= self.slots          # never above the budget
+        assert int(buf.valid.sum(0).max()) <= buf.layout.slots    # never above the budget
+        layouts.add(buf.layout)
         assert not buf.valid[buf.scratch].any() or slot != buf.scratch
         pos = torch.where(committed, buf.pos[:buf.capacity], -1)
         for r in range(pos.shape[1]):                                 # test-side loop only
@@ -71,8 +72,9 @@ def test_random_trace_invariants(name, arch, monkeypatch):
 
     monkeypatch.setattr(type(policy), "after_attention", checked)
     generate(m, ps, 40, policy, Sampling(), (), 0)
-    assert seen and max(seen) <= policy.slots
-    assert policy.evicts
+    (layout,) = layouts                                               # one for the whole run
+    assert seen and max(seen) <= layout.slots and layout == policy.layout(60, 40)
+    assert layout.evicts
 
 
 @pytest.mark.parametrize("name", EVICTING)
@@ -105,8 +107,8 @@ def test_buffer_is_sized_by_slots_and_never_grows(name, monkeypatch):
         per_slot = 2 * c.dim_head * 4 + 4 + 4 + 4 + 1                # K, V fp32 + score, state, pos, valid
         rows = c.num_kv_heads
         for buf in bufs:
-            assert buf.k.shape[0] == policy.slots == 30
-            assert buf.nbytes() == policy.slots * rows * per_slot
+            assert buf.k.shape[0] == buf.layout.slots == 30
+            assert buf.nbytes() == buf.layout.slots * rows * per_slot
         sizes[new_tokens] = sum(b.nbytes() for b in bufs)
         monkeypatch.undo()
     assert sizes[20] == sizes[60]                                    # independent of length

@@ -23,8 +23,8 @@ def score_by_pos(buf, row=0):
 
 def setup(prompt_len, budget_tokens, scores=None, gen=20, rows=1, **args):
     policy = get_policy("scissorhands", budget_tokens=budget_tokens, **args)
-    cap = policy.capacity(prompt_len, gen)
-    buf = KVBuffer(cap, rows, 2, torch.float32, "cpu", fields=policy.fields())
+    layout = policy.layout(prompt_len, gen)
+    buf = KVBuffer(layout, rows, 2, torch.float32, "cpu", fields=policy.fields(layout))
     s = prompt_len
     pos = torch.arange(s, dtype=torch.int32).unsqueeze(1).expand(s, rows)
     policy.prefill(buf, torch.randn(s, rows, 2), torch.randn(s, rows, 2), pos,
@@ -39,7 +39,7 @@ def test_worked_example_counts_window_recent_ties():
     A token is unimportant for a query when its probability is below 1/n (n = 5 attended).
     Importance = w - (times unimportant in the last w queries)."""
     policy, buf = setup(4, budget_tokens=5, recent=2, window=3)
-    assert (policy.prefix, policy.ring) == (2, 2) and kept(buf) == [0, 1, 2, 3]
+    assert (buf.layout.prefix, buf.layout.ring) == (2, 2) and kept(buf) == [0, 1, 2, 3]
     assert score_by_pos(buf) == {0: 3, 1: 3, 2: 3, 3: 3}      # nothing counted yet
     # t=4, slots hold pos [0, 1, 2, 3 | new 4]; threshold 0.2 -> unimportant: pos 1, 3, 4.
     # Candidates: pos 0, 1 (kept by score) and pos 2 (leaving the recent window) -> drop pos 1.
@@ -121,14 +121,16 @@ def test_prompt_scores_hand_made():
     valid = torch.ones(1, 4, dtype=torch.bool)
     # window 2: only q2 (bit 2 % 2 = 0) and q3 (bit 1): key 0 <- q3, key 1 <- q2, q3
     pol = get_policy("scissorhands", budget=0.5, window=2)
-    assert pol.prompt_scores(None, p, 0, valid)[0, 0, :, 0].tolist() == [2, 3, 0, 0]
+    lay = pol.layout(4, 40)
+    assert pol.prompt_scores(lay, None, p, 0, valid)[0, 0, :, 0].tolist() == [2, 3, 0, 0]
     # window 400: q1 (bit 1), q2 (bit 2), q3 (bit 3): key 0 <- q1, q3; key 1 <- q2, q3
     pol = get_policy("scissorhands", budget=0.5)
-    assert pol.prompt_scores(None, p, 0, valid)[0, 0, :, 0].tolist() == [10, 12, 0, 0]
+    lay = pol.layout(4, 40)
+    assert pol.prompt_scores(lay, None, p, 0, valid)[0, 0, :, 0].tolist() == [10, 12, 0, 0]
     # blocks of query rows give the same statistic
-    acc = pol.prompt_scores(None, p[:, :, :, :3], 0, valid)
-    assert torch.equal(pol.prompt_scores(acc, p[:, :, :, 3:], 3, valid),
-                       pol.prompt_scores(None, p, 0, valid))
+    acc = pol.prompt_scores(lay, None, p[:, :, :, :3], 0, valid)
+    assert torch.equal(pol.prompt_scores(lay, acc, p[:, :, :, 3:], 3, valid),
+                       pol.prompt_scores(lay, None, p, 0, valid))
 
 
 @pytest.mark.parametrize("window", [3, 9, 400])
@@ -138,9 +140,10 @@ def test_prompt_scores_match_brute_force(window):
     valid[1, :4] = False                                    # a left-padded row
     p = _causal_probs(b, hk, g, s, seed=window, valid=valid)
     pol = get_policy("scissorhands", budget=0.5, window=window)
+    lay = pol.layout(s, 40)
     acc = None
     for first in range(0, s, 4):
-        acc = pol.prompt_scores(acc, p[:, :, :, first:first + 4], first, valid)
+        acc = pol.prompt_scores(lay, acc, p[:, :, :, first:first + 4], first, valid)
     count = torch.zeros(b, hk, s)
     for bi in range(b):
         for i in range(max(0, s - window), s):
@@ -153,7 +156,7 @@ def test_prompt_scores_match_brute_force(window):
     pop = torch.tensor([bin(x).count("1") for x in range(256)])
     assert torch.equal(pop[acc.long()].sum(-1).float(), count)
     att = get_policy("scissorhands", budget=0.5, window=window, score="attention")
-    total = att.prompt_scores(None, p, 0, valid)
+    total = att.prompt_scores(att.layout(s, 40), None, p, 0, valid)
     torch.testing.assert_close(total, p[:, :, :, max(0, s - window):].sum(dim=(2, 3)))
 
 
@@ -191,15 +194,15 @@ def test_random_trace_invariants(monkeypatch, args):
     prompts = rand_prompts([52, 35], seed=1)             # left padding in the batch
     s, gen = 52, 14
     policy = get_policy("scissorhands", budget=0.2, **args)
-    recent, window = policy.opts["recent"], policy.opts["window"]
+    recent, window = policy.recent, policy.window
     bufs = _spy_allocate(monkeypatch)
-    real = policy.after_attention
+    real = type(policy).after_attention
     steps = []
 
-    def check(buf, slot, probs, scored=False):
-        real(buf, slot, probs, scored)
+    def check(self, buf, slot, probs, scored=False):
+        real(self, buf, slot, probs, scored)
         cap = buf.capacity
-        assert cap == policy.slots - 1 == (s + gen) // 5 - 1 and policy.ring == recent
+        assert cap == buf.layout.slots - 1 == (s + gen) // 5 - 1 and buf.layout.ring == recent
         v, p = buf.valid[:cap], buf.pos[:cap]
         assert not buf.valid[cap].any() and (v.sum(0) <= cap).all()
         cur = buf.pos[slot]                              # the token just decoded
@@ -215,7 +218,7 @@ def test_random_trace_invariants(monkeypatch, args):
         assert buf.policy_state["hist"].shape[1:] == buf.score.shape  # allocated once, never grown
         steps.append(slot == buf.scratch)
 
-    monkeypatch.setattr(policy, "after_attention", check)
+    monkeypatch.setattr(type(policy), "after_attention", check)    # policies are frozen
     out = generate(model, prompts, gen, policy, Sampling(), stop_ids=(), pad_id=0)
     assert len(bufs) == model.config.num_layers and sum(steps) > 0
     assert out != generate(model, prompts, gen, get_policy("full"), pad_id=0)
@@ -248,7 +251,7 @@ def test_bad_input():
         get_policy("scissorhands", budget=0.2, window="many")
     # minimum: the recent tokens + one kept by score + scratch = 12 by default
     with pytest.raises(UserError, match="minimum of 12"):
-        get_policy("scissorhands", budget=0.2).capacity(40, 10)          # 10 slots
+        get_policy("scissorhands", budget=0.2).layout(40, 10)            # 10 slots
     with pytest.raises(UserError, match="minimum of 5"):
-        get_policy("scissorhands", budget_tokens=4, recent=3).capacity(40, 10)
-    assert get_policy("scissorhands", budget=0.24).capacity(40, 10) == 11
+        get_policy("scissorhands", budget_tokens=4, recent=3).layout(40, 10)
+    assert get_policy("scissorhands", budget=0.24).layout(40, 10).capacity == 11

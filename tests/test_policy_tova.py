@@ -7,7 +7,7 @@ import flexevict.runtime.engine as E
 import flexevict.policies.tova  # noqa: F401  (registers "tova")
 from flexevict.errors import UserError
 from flexevict.runtime.generation import Sampling, generate
-from flexevict.core.kv import KVBuffer
+from flexevict.core.kv import KVBuffer, Layout
 from flexevict.policies import get_policy
 from flexevict.policies.base import kv_head_probs
 
@@ -17,8 +17,8 @@ from tiny import CONFIGS as CFGS, model_for, rand_prompts, decode_step as step, 
 
 def setup(prompt_len, rows=1, budget_tokens=4, gen=10, scores=None, valid=None, **args):
     policy = get_policy("tova", budget_tokens=budget_tokens, **args)
-    cap = policy.capacity(prompt_len, gen)
-    buf = KVBuffer(cap, rows, 2, torch.float32, "cpu", fields=policy.fields())
+    layout = policy.layout(prompt_len, gen)
+    buf = KVBuffer(layout, rows, 2, torch.float32, "cpu", fields=policy.fields(layout))
     s = prompt_len
     valid = torch.ones(s, rows, dtype=torch.bool) if valid is None else valid
     pos = (valid.long().cumsum(0) - 1).clamp(min=0).to(torch.int32)
@@ -100,9 +100,10 @@ def test_prompt_scores_hook_is_last_query_row():
     p = logits.softmax(-1)
     valid = torch.ones(b, s, dtype=torch.bool)
     policy = get_policy("tova", budget=0.5)
+    layout = policy.layout(s, 10)
     acc = None
     for first in range(0, s, 3):                         # blocks of 3 query rows
-        acc = policy.prompt_scores(acc, p[:, :, :, first:first + 3], first, valid)
+        acc = policy.prompt_scores(layout, acc, p[:, :, :, first:first + 3], first, valid)
     torch.testing.assert_close(acc, p[:, :, :, -1].sum(2))
 
 
@@ -110,14 +111,14 @@ def test_prompt_scores_hook_is_last_query_row():
 
 def _trace(monkeypatch, policy, check):
     """Wrap after_attention to run `check(buf, slot, probs, before)` after every call."""
-    real = policy.after_attention
+    real = type(policy).after_attention
 
-    def wrapped(buf, slot, probs, scored=False):
+    def wrapped(self, buf, slot, probs, scored=False):
         before = (buf.pos.clone(), buf.valid.clone())
-        real(buf, slot, probs, scored)
+        real(self, buf, slot, probs, scored)
         check(buf, slot, probs, before)
 
-    monkeypatch.setattr(policy, "after_attention", wrapped)
+    monkeypatch.setattr(type(policy), "after_attention", wrapped)   # policies are frozen
 
 
 def _spy_allocate(monkeypatch, kv_heads=None):
@@ -147,7 +148,7 @@ def test_random_trace_invariants(monkeypatch, heads):
 
     def check(buf, slot, probs, before):
         cap = buf.capacity
-        assert cap == policy.slots - 1 == (s + gen) // 5 - 1
+        assert cap == buf.layout.slots - 1 == (s + gen) // 5 - 1
         v, p = buf.valid[:cap], buf.pos[:cap]
         assert not buf.valid[cap].any()                  # scratch never holds a kept token
         assert (v.sum(0) <= cap).all()
@@ -201,11 +202,11 @@ def test_bad_input():
     with pytest.raises(UserError, match="heads"):
         get_policy("tova", budget=0.2, heads="query")
     with pytest.raises(UserError, match="minimum of 2"):
-        get_policy("tova", budget_tokens=1).capacity(20, 10)
+        get_policy("tova", budget_tokens=1).layout(20, 10)
     with pytest.raises(UserError, match="minimum of 2"):
-        get_policy("tova", budget=0.03).capacity(20, 10)
+        get_policy("tova", budget=0.03).layout(20, 10)
     # heads=layer on an engine whose buffers do not know their kv heads
-    if not hasattr(KVBuffer(1, 1, 1, torch.float32, "cpu"), "kv_heads"):
+    if not hasattr(KVBuffer(Layout(2), 1, 1, torch.float32, "cpu"), "kv_heads"):
         with pytest.raises(UserError, match="kv_heads"):
             generate(model_for("llama-gqa"), rand_prompts([30], seed=0), 4,
                      get_policy("tova", budget=0.2, heads="layer"), pad_id=0)

@@ -49,9 +49,9 @@ SCISSORS = {"base": "scissorhands", "recent": 2}
 def example_buffer(name, **args):
     # budget 4 committed slots (+ the scratch slot): heavy 2, recent 2 (H2O split)
     policy = get_policy(name, budget_tokens=5, **args)
-    cap = policy.capacity(6, 2)
-    assert (cap, policy.prefix, policy.ring) == (4, 2, 2)
-    buf = KVBuffer(cap, 1, 2, torch.float32, "cpu", fields=policy.fields())
+    layout = policy.layout(6, 2)
+    assert (layout.capacity, layout.prefix, layout.ring) == (4, 2, 2)
+    buf = KVBuffer(layout, 1, 2, torch.float32, "cpu", fields=policy.fields(layout))
     policy.prefill(buf, *example_prompt())
     return policy, buf
 
@@ -90,7 +90,8 @@ def test_worked_example_decode(base):
     probs = torch.tensor([[[0.5, 0.1, 0.1, 0.1, 0.2]]])
     # importance after this step's attention, before the decision (the seed's numbers)
     s_after = buf.score[:n, 0] + probs[0, 0]
-    imp = policy.value_aware(s_after, buf.v[:n, 0], buf.pos[:n, 0], buf.valid[:n, 0])
+    imp = policy.value_aware(buf.layout, s_after, buf.v[:n, 0], buf.pos[:n, 0],
+                             buf.valid[:n, 0])
     assert imp[0] == float("inf")                       # pinned sink
     assert imp[1:].tolist() == pytest.approx([2.1, 0.9, 0.8, 0.24])
     policy.after_attention(buf, slot, probs)
@@ -149,9 +150,10 @@ def test_matches_reference(norm, F, L):
     g = torch.Generator().manual_seed(L * 7 + F)
     rows, d, T = 3, 4, 12
     policy = get_policy("vatp", budget_tokens=9, sinks=F, norm=norm)
-    cap = policy.capacity(L, T)
+    layout = policy.layout(L, T)
+    cap = layout.capacity
     assert cap == 8
-    buf = KVBuffer(cap, rows, d, torch.float32, "cpu", fields=policy.fields())
+    buf = KVBuffer(layout, rows, d, torch.float32, "cpu", fields=policy.fields(layout))
     v = torch.randn(L + T, rows, d, generator=g)
     k = torch.randn(L + T, rows, d, generator=g)
     prompt_S = torch.rand(L, rows, generator=g) * 3
@@ -182,7 +184,7 @@ def test_matches_reference(norm, F, L):
             got = kept(buf, r)
             assert got == sorted(next(refs[r])), (t, r)
             assert len(got) == min(cap, L + t + 1)
-            assert set(range(min(F, policy.prefix, L + t + 1))) <= set(got)
+            assert set(range(min(F, layout.prefix, L + t + 1))) <= set(got)
             for j in range(cap):
                 if buf.valid[j, r]:
                     assert float(buf.score[j, r]) == pytest.approx(sums[r][int(buf.pos[j, r])],
@@ -202,8 +204,8 @@ def test_equal_norms_equal_pin_control():
     out = []
     for name in ("vatp", "vatp-pin"):
         policy = get_policy(name, budget_tokens=9, sinks=2)
-        buf = KVBuffer(policy.capacity(L, T), rows, d, torch.float32, "cpu",
-                       fields=policy.fields())
+        layout = policy.layout(L, T)
+        buf = KVBuffer(layout, rows, d, torch.float32, "cpu", fields=policy.fields(layout))
         policy.prefill(buf, k[:L], v[:L], pos[:L], ones, S)
         trace = [[kept(buf, r) for r in range(rows)]]
         gg = torch.Generator().manual_seed(9)
@@ -220,21 +222,27 @@ def test_equal_norms_equal_pin_control():
 
 # ------------------------------------------------------------------ real tiny models
 
-def run_policy(model, prompts, n, policy, monkeypatch=None, check=None):
+def run_policy(model, prompts, n, policy, monkeypatch=None, check=None, layouts=None):
     """generate() with per-step logits recorded; `check(buf, policy, slot)` after every
-    after_attention call (every layer, every decode step)."""
+    after_attention call (every layer, every decode step); `layouts` (a list) gets the layout
+    of every buffer the run allocates."""
     logits = []
     real_head = model.head
     if monkeypatch is not None:
         monkeypatch.setattr(model, "head", lambda h, o=None: logits.append(real_head(h, o)) or logits[-1])
-    if check is not None:
-        real_after = policy.after_attention
+    with pytest.MonkeyPatch.context() as m:             # policies are frozen: wrap the class
+        if check is not None:
+            real_after = type(policy).after_attention
 
-        def after(buf, slot, probs, scored=False):
-            real_after(buf, slot, probs, scored)
-            check(buf, policy, slot)
-        policy.after_attention = after
-    out = generate(model, prompts, n, policy, Sampling(), stop_ids=(), pad_id=0)
+            def after(self, buf, slot, probs, scored=False):
+                real_after(self, buf, slot, probs, scored)
+                check(buf, self, slot)
+            m.setattr(type(policy), "after_attention", after)
+        if layouts is not None:
+            real_alloc = E.allocate
+            m.setattr(E, "allocate", lambda model, layout, *a:
+                      layouts.append(layout) or real_alloc(model, layout, *a))
+        out = generate(model, prompts, n, policy, Sampling(), stop_ids=(), pad_id=0)
     if monkeypatch is not None:
         monkeypatch.setattr(model, "head", real_head)
     return out, logits
@@ -242,26 +250,29 @@ def run_policy(model, prompts, n, policy, monkeypatch=None, check=None):
 
 def invariant_checker(prompt_lens, model, sinks):
     """Checks for a left-padded batch after every decode step of every layer: budget, unique
-    real positions, first F real tokens, H2O's recent window, pads never kept."""
+    real positions, first F real tokens, H2O's recent window, pads never kept. steps["layout"]:
+    the run's layout (the same in every buffer)."""
     kv_heads, layers = model.config.num_kv_heads, model.config.num_layers
     steps = {"n": 0}
 
     def check(buf, policy, slot):
         step = steps["n"] // layers                     # decode step (0 = 2nd generated token)
         steps["n"] += 1
-        assert policy.evicts
+        lay = buf.layout
+        assert steps.setdefault("layout", lay) == lay
+        assert lay.evicts
         assert not buf.valid[buf.scratch].any()
-        F = min(sinks, policy.prefix)
+        F = min(sinks, lay.prefix)
         for r in range(buf.valid.shape[1]):
             n_real = prompt_lens[r // kv_heads]
-            assert n_real >= policy.slots                # every row evicts from the prefill on
+            assert n_real >= lay.slots                   # every row evicts from the prefill on
             pos = buf.pos[:, r][buf.valid[:, r]].tolist()
-            assert len(pos) == policy.slots - 1          # exact budget, scratch committed
+            assert len(pos) == lay.slots - 1             # exact budget, scratch committed
             assert len(set(pos)) == len(pos)             # unique
             newest = n_real + step                       # this step's token: always kept
             assert max(pos) == newest and min(pos) >= 0  # real positions only (no pads)
             assert set(range(F)) <= set(pos)             # the first F real tokens
-            assert set(range(newest + 1 - policy.ring, newest + 1)) <= set(pos)   # window
+            assert set(range(newest + 1 - lay.ring, newest + 1)) <= set(pos)      # window
     return check, steps
 
 
@@ -273,7 +284,8 @@ def test_invariants_end_to_end(key):
     policy = get_policy("vatp", budget=0.2, sinks=4)
     check, steps = invariant_checker(lens, model, 4)
     out, _ = run_policy(model, prompts, 12, policy, check=check)
-    assert policy.slots == int(0.2 * (60 + 12)) and policy.prefix > 4   # some heavy slots
+    lay = steps["layout"]
+    assert lay.slots == int(0.2 * (60 + 12)) and lay.prefix > 4         # some heavy slots
     assert steps["n"] == 11 * model.config.num_layers
     assert all(len(o) == 12 for o in out)
 
@@ -285,7 +297,8 @@ def test_default_sinks_end_to_end():
     policy = get_policy("vatp", budget_tokens=60)
     check, steps = invariant_checker(lens, model, 20)
     run_policy(model, rand_prompts(lens, seed=2), 6, policy, check=check)
-    assert policy.describe()["pinned"] == 20 and policy.describe()["heavy"] == 9
+    d = policy.describe(steps["layout"])
+    assert d["pinned"] == 20 and d["heavy"] == 9
     assert steps["n"] == 5 * model.config.num_layers
 
 
@@ -296,7 +309,7 @@ def test_default_sinks_capped_end_to_end():
     policy = get_policy("vatp", budget=0.2)
     check, steps = invariant_checker(lens, model, 20)
     run_policy(model, rand_prompts(lens, seed=7), 8, policy, check=check)
-    assert policy.describe()["pinned"] == policy.prefix == 5
+    assert policy.describe(steps["layout"])["pinned"] == steps["layout"].prefix == 5
     assert steps["n"] == 7 * model.config.num_layers
 
 
@@ -319,8 +332,9 @@ def test_no_eviction_bit_identical_to_full(key, budget, name, base, monkeypatch)
     model = model_for(key)
     prompts = rand_prompts([30, 21], seed=4)
     policy = get_policy(name, base=base, **budget)
-    out, logits = run_policy(model, prompts, 17, policy, monkeypatch)
-    assert not policy.evicts and policy.slots == 47
+    layouts = []
+    out, logits = run_policy(model, prompts, 17, policy, monkeypatch, layouts=layouts)
+    assert layouts and all(not lay.evicts and lay.slots == 47 for lay in layouts)
     ref, ref_logits = run_policy(model, prompts, 17, get_policy("full"), monkeypatch)
     assert out == ref and len(logits) == len(ref_logits) == 17
     assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
@@ -365,15 +379,14 @@ def test_ablation_differs_only_by_value_norm(key, base, monkeypatch):
 
 def test_describe_and_cap():
     p = get_policy("vatp", budget_tokens=60)
-    p.capacity(200, 10)
-    d = p.describe()
+    d = p.describe(p.layout(200, 10))
     assert (d["prefix"], d["ring"], d["pinned"], d["heavy"]) == (29, 30, 20, 9)
     assert (d["base"], d["norm"], d["sinks"]) == ("h2o", "l1", 20)
     p = get_policy("vatp", budget_tokens=11)             # heavy slots < F: F capped
-    p.capacity(200, 10)
-    assert (p.describe()["pinned"], p.describe()["heavy"]) == (5, 0)
-    assert get_policy("vatp-pin").opts["norm"] == "none"
-    assert get_policy("vatp", norm="L2", budget=0.5).opts["norm"] == "l2"
+    d = p.describe(p.layout(200, 10))
+    assert (d["pinned"], d["heavy"]) == (5, 0)
+    assert get_policy("vatp-pin").norm == "none"
+    assert get_policy("vatp", norm="L2", budget=0.5).norm == "l2"
 
 
 @pytest.mark.parametrize("name,args", [
@@ -389,11 +402,11 @@ def test_bad_args(name, args):
 def test_budget_below_minimum(name):
     p = get_policy(name, budget_tokens=2)
     with pytest.raises(UserError, match="minimum of 3"):
-        p.capacity(100, 10)
+        p.layout(100, 10)
     p = get_policy(name, budget=0.02)                    # floor(0.02 * 110) = 2 slots
     with pytest.raises(UserError, match="minimum"):
-        p.capacity(100, 10)
-    get_policy(name, budget_tokens=3).capacity(100, 10)  # the minimum itself is accepted
+        p.layout(100, 10)
+    get_policy(name, budget_tokens=3).layout(100, 10)    # the minimum itself is accepted
 
 
 # ------------------------------------------------------------------ base=scissorhands
@@ -402,20 +415,21 @@ def test_scissorhands_variant():
     from flexevict.policies.scissorhands import Scissorhands
     p = get_policy("vatp", budget=0.2, base="Scissorhands")
     assert isinstance(p, Scissorhands) and p.name == "vatp"
-    assert {k: p.opts[k] for k in ("base", "sinks", "norm", "recent", "window", "score")} == \
+    assert {k: getattr(p, k) for k in ("base", "sinks", "norm", "recent", "window", "score")} == \
         {"base": "scissorhands", "sinks": 20, "norm": "l1", "recent": 10, "window": 400,
          "score": "attention"}                        # App. A, Eq. 3
-    p.capacity(300, 20)
-    assert (p.ring, p.prefix, p.describe()["pinned"], p.describe()["heavy"]) == (10, 53, 20, 33)
+    lay = p.layout(300, 20)
+    d = p.describe(lay)
+    assert (lay.ring, lay.prefix, d["pinned"], d["heavy"]) == (10, 53, 20, 33)
     q = get_policy("vatp-pin", budget=0.2, base="scissorhands", score="count")
-    assert isinstance(q, Scissorhands) and q.opts["norm"] == "none" and q.counting
+    assert isinstance(q, Scissorhands) and q.norm == "none" and q.counting
     assert type(q) is not type(p)
     with pytest.raises(UserError):
         get_policy("vatp", budget=0.2, window=3)            # a Scissorhands arg without its base
     with pytest.raises(UserError):
         get_policy("vatp", budget=0.2, base="scissorhands", score="nope")
     with pytest.raises(UserError, match="minimum"):
-        get_policy("vatp", budget_tokens=11, base="scissorhands").capacity(100, 10)
+        get_policy("vatp", budget_tokens=11, base="scissorhands").layout(100, 10)
 
 
 @pytest.mark.parametrize("score", ["attention", "count"])
@@ -426,7 +440,7 @@ def test_scissorhands_base_end_to_end(score):
                    score=score)
     check, steps = invariant_checker(lens, model, 3)
     run_policy(model, rand_prompts(lens, seed=6), 10, p, check=check)
-    assert p.describe()["heavy"] > 0
+    assert p.describe(steps["layout"])["heavy"] > 0
     assert steps["n"] == 9 * model.config.num_layers
 
 

@@ -37,9 +37,7 @@ def export(out: str) -> None:
     for task in (Passkey(llm), Agreement(llm)):
         slots = {}
         for b in BUDGETS:
-            pol = PolicySpec("h2o", budget=b).make()
-            pol.capacity(*task.lengths)
-            slots[str(b)] = pol.slots
+            slots[str(b)] = PolicySpec("h2o", budget=b).make().layout(*task.lengths).slots
         tasks[task.name] = {"prompts": [llm.tokenizer.encode(p) for p in task.prompts],
                             "new_tokens": task.lengths[1], "slots": slots,
                             "settings": task.settings, "keys": getattr(task, "keys", None)}

@@ -35,7 +35,7 @@ from flexevict.core import kernels
 from flexevict.bench.report import write_json
 from flexevict.errors import UserError, cli_errors
 from flexevict.core.kernels.quant import GROUP
-from flexevict.core.kv import KVBuffer
+from flexevict.core.kv import KVBuffer, Layout
 from flexevict.policies import get_policy
 
 
@@ -147,7 +147,7 @@ def both_paths(op: Op, device, launches, loops, with_kernels: bool) -> dict:
 def full_buffer(shape: Shape, device, dtype, gen, kv_heads: int) -> KVBuffer:
     """A buffer whose committed slots and scratch slot all hold random tokens."""
     cap, rows = shape.slots - 1, shape.batch * shape.heads
-    buf = KVBuffer(cap, rows, shape.head_dim, dtype, device, kv_heads=kv_heads)
+    buf = KVBuffer(Layout(shape.slots), rows, shape.head_dim, dtype, device, kv_heads=kv_heads)
     buf.k.copy_(torch.randn(buf.k.shape, generator=gen, device=device))
     buf.v.copy_(torch.randn(buf.v.shape, generator=gen, device=device))
     buf.score.copy_(torch.rand(buf.score.shape, generator=gen, device=device))
@@ -210,10 +210,10 @@ def cascade_op(shape: Shape, device, dtype, gen) -> Op:
     """Cascade's caching operation (EMA + sub-cache insertion) on a buffer filled by its own
     prefill."""
     policy = get_policy("cascade", budget_tokens=shape.slots)
-    cap = policy.capacity(shape.slots + 16, 64)
-    rows = shape.batch * shape.heads
-    buf = KVBuffer(cap, rows, shape.head_dim, dtype, device, kv_heads=shape.heads,
-                   fields=policy.fields())
+    layout = policy.layout(shape.slots + 16, 64)
+    cap, rows = layout.capacity, shape.batch * shape.heads
+    buf = KVBuffer(layout, rows, shape.head_dim, dtype, device, kv_heads=shape.heads,
+                   fields=policy.fields(layout))
     k = torch.randn(shape.slots + 16, rows, shape.head_dim, generator=gen, device=device).to(dtype)
     valid = torch.ones(k.shape[:2], dtype=torch.bool, device=device)
     pos = torch.arange(k.shape[0], dtype=torch.int32, device=device).unsqueeze(1).expand_as(valid)
@@ -235,7 +235,7 @@ def buzz_op(shape: Shape, device, dtype) -> Op:
     """One BUZZ pass over a full buffer whose middle exceeds the threshold. A pass compacts its
     buffer (a second one would find less to do), so each launch gets its own prepared copy."""
     policy = get_policy("buzz", budget_tokens=shape.slots)
-    policy.capacity(shape.slots + 16, 64)
+    lay = policy.layout(shape.slots + 16, 64)
     bufs = []
     for _ in range(BUZZ_COPIES if device.type == "cuda" else 2):     # CPU: 2 launches a loop
         gen = torch.Generator(device=device).manual_seed(1)            # identical copies
@@ -244,8 +244,7 @@ def buzz_op(shape: Shape, device, dtype) -> Op:
         bufs.append(buf)
     restores = [snapshot(b) for b in bufs]
     return Op("buzz pass + compaction",
-              lambda i: kernels.buzz_pass(bufs[i], shape.slots, policy.k, policy.w, policy.T,
-                                          policy.s),
+              lambda i: kernels.buzz_pass(bufs[i], shape.slots, lay.k, lay.w, lay.T, lay.s),
               lambda: [r() for r in restores], copies=len(bufs))
 
 
@@ -262,7 +261,7 @@ def prefill_ops(shape: Shape, device, dtype, gen) -> list[Op]:
     pos = pos.expand(s, rows).contiguous()
     vrow = torch.ones(s, rows, dtype=torch.bool, device=device)
     scores = torch.rand(s, rows, generator=gen, device=device)
-    buf = KVBuffer(cap, rows, d, dtype, device)
+    buf = KVBuffer(Layout(shape.slots), rows, d, dtype, device)
     return [Op("prefill attention + column sums",
                lambda i: kernels.prefill_attention(q, k, v, mask, valid, d ** -0.5)),
             Op("prompt top-k compaction",

@@ -97,7 +97,7 @@ def run(args) -> dict:
     steps = min(args.cut_gen_len or args.gen_len, args.gen_len)
     spec = policy_spec(args)
     policy = spec.make()
-    slots = policy.capacity(args.prompt_len, args.gen_len) + 1
+    slots = policy.layout(args.prompt_len, args.gen_len).slots
     plan = MemoryPlan(config, placement, dtype, n, args.prompt_len, args.gen_len, slots)
     plan.check(device, limit, None if args.cpu_mem_limit is None else int(args.cpu_mem_limit * GIB))
     predicted = predict(args, config, placement, n, device, dtype)
@@ -221,7 +221,7 @@ def _result(args, config, placement, plan, policy, stats, device, n, steps) -> d
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": n,
         "decode_steps_run": steps - 1, "projected": projected,
         "placement": placement.describe(),
-        "policy": policy.describe(), "budget": args.budget, "budget_tokens": args.budget_tokens,
+        "policy": policy.describe(stats.layout), "budget": args.budget, "budget_tokens": args.budget_tokens,
         "model_size_gb": config.weight_bytes(_dtype_name(plan.dtype)) / GIB,
         "cache_size_gb": config.cache_bytes(n, args.prompt_len + args.gen_len,
                                             _dtype_name(plan.dtype)) / GIB,

@@ -15,7 +15,8 @@ committed slots into a pinned prefix `[0, ring_start)` and a circular recent que
 A policy that keeps more than `score` and `state` declares it (`Policy.fields`, a tuple of
 `Field`): the buffer allocates each declared tensor with the same allocator as K and V, and
 offloading (`flexevict.runtime.offload.load_into` / `store_into`) moves exactly the core
-tensors, the counters and the declared fields. Constants a policy derives from its arguments
+tensors, the counters and the declared fields. The buffer's regions are its `Layout`, which the
+policy resolves once per run (`Policy.layout`) and never changes. Constants a policy derives from its arguments
 and the layer (HashEvict's projection) are not state: `constant` makes them once per buffer
 family and device, and they never travel.
 """
@@ -24,6 +25,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run's budget divides every buffer of the run (frozen; `Policy.layout` makes it).
+
+    slots: per (sequence, kv-head) row, the scratch slot included (`capacity` = slots - 1
+    committed); evicts: slots < prompt_len + gen_len; prefix, ring: a ring policy's pinned
+    prefix and recent queue (prefix + ring = capacity; 0, 0 otherwise); rope_in_cache: LLaMA
+    keys are cached before RoPE and rotated by in-cache rank. Policies with more regions
+    (BUZZ, Cascade) extend it."""
+    slots: int
+    evicts: bool = False
+    prefix: int = 0
+    ring: int = 0
+    rope_in_cache: bool = False
+    prompt_len: int = 0
+    gen_len: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.slots - 1
+
+    def describe(self) -> dict:
+        """The resolved budget as printed by every CLI and JSON result."""
+        d = {"slots": self.slots}
+        if self.ring:
+            d.update(prefix=self.prefix, ring=self.ring, scratch=1)
+        return d
 
 
 @dataclass(frozen=True)
@@ -50,17 +80,19 @@ def zeros(shape, dtype, device) -> torch.Tensor:
 
 
 class KVBuffer:
-    def __init__(self, capacity: int, rows: int, head_dim: int, dtype, device, kv_heads: int = 1,
+    def __init__(self, layout: Layout, rows: int, head_dim: int, dtype, device, kv_heads: int = 1,
                  layer: int = 0, alloc=zeros, fields: tuple[Field, ...] = (),
                  constants: dict | None = None, kv_alloc=None):
-        """alloc(shape, dtype, device) -> zeroed tensor: where the slots live (the offloading
+        """layout: the run's regions (`capacity` = layout.slots - 1 committed slots + scratch);
+        alloc(shape, dtype, device) -> zeroed tensor: where the slots live (the offloading
         engine passes pinned or file-backed allocators, which may ignore `device`: tensors
         made here follow the allocated metadata, so a CPU or disk home indexes on the CPU
         whatever the compute device is); kv_alloc: the same for K and V, when they are to live
         elsewhere (default alloc). fields: the policy's declared state (`Field`);
         constants: a dict shared with the buffers that hold the same layer (see `constant`)."""
-        n = capacity + 1
-        self.capacity = capacity
+        n = layout.slots
+        self.layout = layout
+        self.capacity = layout.capacity
         self.kv_heads = kv_heads  # rows = batch * kv_heads, row b * kv_heads + h
         self.layer = layer        # lets a policy keep per-layer constants (HashEvict's projection)
         self.head_dim, self.dtype = head_dim, dtype

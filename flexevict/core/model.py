@@ -10,6 +10,7 @@ Hk kv heads, d head dim, D hidden, R = B * Hk buffer rows.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -306,20 +307,22 @@ class Transformer:
         if inp.rope is not None:
             cos, sin = (t.unsqueeze(1) for t in inp.rope)          # (B, 1, S, d)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if not policy.rope_in_cache:
+            if not buf.layout.rope_in_cache:
                 k_cached = k
         factor = policy.logit_scale(s)
         scale = d ** -0.5 * factor
         out = causal_attention(q, k, v, inp.pads, None if factor == 1.0 else scale)
         scores = None
-        if policy.wants_prompt_scores():
-            scores = kernels.prefill_column_sums(q, k, inp.valid, scale, fold=policy.prompt_scores)
+        if policy.wants_prompt_scores(buf.layout):
+            fold = (None if policy.prompt_scores is None
+                    else functools.partial(policy.prompt_scores, buf.layout))
+            scores = kernels.prefill_column_sums(q, k, inp.valid, scale, fold=fold)
         # buffer rows are (b, kv-head): (B, Hk, S, ...) -> (S, B*Hk, ...)
         rows = lambda t: t.permute(2, 0, 1, *range(3, t.dim())).reshape(s, b * nk, *t.shape[3:])
         pos = inp.pos.unsqueeze(1).expand(b, nk, s)
         valid = inp.valid.unsqueeze(1).expand(b, nk, s)
         extra = {}
-        if policy.needs_prompt_queries and policy.evicts:
+        if policy.needs_prompt_queries and buf.layout.evicts:
             extra["q"] = q.view(b, nk, nh // nk, s, d).permute(3, 0, 1, 2, 4).reshape(s, b * nk, nh // nk, d)
         with clock:
             policy.prefill(buf, rows(k_cached), rows(v), rows(pos).to(torch.int32), rows(valid),
@@ -342,7 +345,7 @@ class Transformer:
         g = nh // nk
         q = q.reshape(b * nk, g, d)                                # rows = (b, kv-head)
         k = k.reshape(b * nk, d)
-        in_cache = inp.rope is not None and policy.rope_in_cache
+        in_cache = inp.rope is not None and buf.layout.rope_in_cache
         if inp.rope is not None and not in_cache:
             cos, sin = (t.repeat_interleave(nk, dim=0) for t in inp.rope)   # (R, d)
             q, k = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), apply_rope(k, cos, sin)

@@ -92,7 +92,7 @@ class AttentionError:
     def __init__(self, model, capacity: int):
         self.model, self.capacity = model, capacity        # capacity: tokens of the stream
         self.full = PolicySpec("full").make()
-        self.full.capacity(capacity, 0)
+        self.full_layout = self.full.layout(capacity, 1)   # a slot for each stream token
         n = model.config.num_layers
         self.sum = torch.zeros(n, dtype=torch.float64)
         self.count = torch.zeros(n, dtype=torch.long)
@@ -113,7 +113,7 @@ class AttentionError:
         j = buf.layer
         if x.dim() == 3:
             c = self.model.config
-            new = KVBuffer(self.capacity, x.shape[0] * c.num_kv_heads, c.dim_head, x.dtype,
+            new = KVBuffer(self.full_layout, x.shape[0] * c.num_kv_heads, c.dim_head, x.dtype,
                            x.device, kv_heads=c.num_kv_heads, layer=j)
             self.shadows.setdefault(j, []).append(new)
             return new
@@ -165,7 +165,7 @@ class Task:
     def slots_check(self, spec: PolicySpec) -> str | None:
         """Why this task cannot run `spec` (a budget below the policy's minimum), else None."""
         try:
-            spec.make().capacity(*self.lengths)
+            spec.make().layout(*self.lengths)
         except UserError as e:
             return str(e)
         return None
@@ -197,7 +197,8 @@ class Ppl(Task):
         """nll (B, N-1) -> perplexity over all documents' tokens and per document."""
         mean = float(nll.double().mean())
         per_doc = {k: math.exp(float(row.double().mean())) for k, row in zip(self.docs, nll)}
-        return {"ppl": math.exp(mean), "nll": mean, "per_doc": per_doc, "slots": pol.slots,
+        slots = pol.layout(*self.lengths).slots
+        return {"ppl": math.exp(mean), "nll": mean, "per_doc": per_doc, "slots": slots,
                 "tokens": self.settings["tokens"]}
 
 
@@ -211,7 +212,7 @@ class AttentionLoss(Ppl):
         pol = spec.make()
         with AttentionError(llm.engine.model, self.settings["tokens"]) as rec:
             nll = stream_nll(llm.engine, list(self.docs.values()), pol)
-        if pol.evicts and not bool(rec.count.any()):
+        if pol.layout(*self.lengths).evicts and not bool(rec.count.any()):
             raise RuntimeError("the attention hook saw no decode step: the engine no longer "
                                "calls Transformer.attention; update tasks.AttentionError")
         layers = rec.per_layer()                   # no eviction: no decode step, error 0

@@ -634,15 +634,15 @@ def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
     pos = torch.arange(s, device=device).expand(b, s)
     valid = torch.ones(b, s, dtype=torch.bool, device=device)
     policy = get_policy("full")
-    cap = policy.capacity(s, 1)
+    layout = policy.layout(s, 1)
     with torch.inference_mode():
         inp = model.step_input(pos, valid)
         h = model.embed(tokens, inp)
         w = model.layers[0]
 
         def attn():
-            model.attention_half(w, h, inp, allocate(model, cap, b)[0], policy)
-        mid = model.attention_half(w, h, inp, allocate(model, cap, b)[0], policy)
+            model.attention_half(w, h, inp, allocate(model, layout, b)[0], policy)
+        mid = model.attention_half(w, h, inp, allocate(model, layout, b)[0], policy)
         repeats = 3 if quick else 15
         return {"attn_s": best_time(attn, device, repeats),
                 "mlp_s": best_time(lambda: model.mlp_half(w, mid), device, repeats), **PROBE}
@@ -729,19 +729,19 @@ def _fresh(spec, device, dtype, rows, d, cap, s):
     from flexevict.core.kv import KVBuffer
     try:
         policy = dataclasses.replace(spec, budget=None, budget_tokens=cap + 1).make()
-        policy.capacity(s, 8)
+        layout = policy.layout(s, 8)
     except UserError:                  # `full`: no budget; its buffer holds prompt + decode
         policy = dataclasses.replace(spec, budget=None, budget_tokens=None).make()
-        policy.capacity(s, cap - s + 1)
-    return policy, KVBuffer(policy.slots - 1, rows, d, dtype, device, kv_heads=1,
-                            fields=policy.fields())
+        layout = policy.layout(s, cap - s + 1)
+    return policy, KVBuffer(layout, rows, d, dtype, device, kv_heads=1,
+                            fields=policy.fields(layout))
 
 
 def _prompt_len(spec, cap) -> int:
     """Prompt tokens for the measurement: twice the buffer (a compaction), or half of it for a
     policy that keeps every token."""
-    return cap // 2 if not spec.make().evicts and spec.budget is None and \
-        spec.budget_tokens is None else 2 * cap
+    keeps_all = spec.budget is None and spec.budget_tokens is None
+    return cap // 2 if keeps_all else 2 * cap
 
 
 def _prefill(policy, buf, k, pos, valid, scores, q):

@@ -23,7 +23,7 @@ import torch
 
 from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
 from flexevict.errors import UserError
-from flexevict.core.kv import KVBuffer, zeros
+from flexevict.core.kv import KVBuffer, Layout, zeros
 from flexevict.core.model import (LINEAR_WEIGHTS, PackedWeight, Transformer, load_layer_weights,
                     load_outer_weights, onednn_usable)
 from flexevict.policies import Policy
@@ -69,6 +69,7 @@ class Run:
 
 @dataclass
 class RunStats:
+    layout: Layout | None = None                          # the run's resolved budget
     step_seconds: list = field(default_factory=list)     # per token step, prefill first
     eviction_seconds: float = 0.0
     traffic: dict = field(default_factory=dict)
@@ -201,14 +202,14 @@ class Engine:
         if not wrap_positions:
             check_length(self.config, max(len(x) for x in prompts), plan_steps or steps)
         sizes = self.placement.batch_split(len(prompts))
-        capacity = policy.capacity(tokens.shape[1], plan_steps or steps)
+        layout = policy.layout(tokens.shape[1], plan_steps or steps)
         limit = self.config.max_positions if wrap_positions else None
         with self.tiers.run_scope():          # the next run reuses this run's pinned KV homes
             cache_tiers = self.placement.cache_tiers(len(sizes))
-            run = Run(self._allocate_cache(capacity, sizes, cache_tiers, policy.fields()),
-                      cache_tiers,
-                      policy, EvictionClock(self.tiers.compute))
+            run = Run(self._allocate_cache(layout, sizes, cache_tiers, policy.fields(layout)),
+                      cache_tiers, policy, EvictionClock(self.tiers.compute))
             stats = self._run(run, tokens, valid, pos, sizes, steps, consume, until, limit)
+        stats.layout = layout
         self.last_run = stats
         return stats
 
@@ -244,7 +245,7 @@ class Engine:
     def _step_input(self, pos, valid, limit: int | None):
         return self.model.step_input(pos if limit is None else pos % limit, valid)
 
-    def _allocate_cache(self, capacity: int, sizes: list[int], tiers: list[str], fields=()
+    def _allocate_cache(self, layout: Layout, sizes: list[int], tiers: list[str], fields=()
                         ) -> list[list[KVBuffer]]:
         """cache[k][j]: GPU batch k's buffer of block j, in its home tier tiers[k], with the
         policy's declared state `fields`."""
@@ -254,7 +255,7 @@ class Engine:
             # compressed: K and V start in ordinary memory, only their 4-bit parts go to the
             # tier (allocated there, they would hold tier memory until the run ends)
             kv_alloc = _in_ram if self.placement.compress_cache else alloc
-            bufs = allocate(self.model, capacity, size, alloc, fields, kv_alloc)
+            bufs = allocate(self.model, layout, size, alloc, fields, kv_alloc)
             if self.placement.compress_cache:
                 put = lambda x, tier=tier: self.tiers.put(tier, x)   # noqa: E731
                 for b in bufs:
@@ -449,12 +450,12 @@ def check_length(config, prompt_len: int, new_tokens: int):
                         "--max-new-tokens")
 
 
-def allocate(model: Transformer, capacity: int, batch: int, alloc=zeros, fields=(),
+def allocate(model: Transformer, layout: Layout, batch: int, alloc=zeros, fields=(),
              kv_alloc=None) -> list[KVBuffer]:
-    """One KV buffer per layer for `batch` sequences with the policy's declared state
-    `fields`; alloc (kv_alloc for K and V) picks the memory (kv.KVBuffer)."""
+    """One KV buffer per layer of `layout` for `batch` sequences with the policy's declared
+    state `fields`; alloc (kv_alloc for K and V) picks the memory (kv.KVBuffer)."""
     c = model.config
-    return [KVBuffer(capacity, batch * c.num_kv_heads, c.dim_head, model.dtype, model.device,
+    return [KVBuffer(layout, batch * c.num_kv_heads, c.dim_head, model.dtype, model.device,
                      kv_heads=c.num_kv_heads, layer=j, alloc=alloc, fields=fields,
                      kv_alloc=kv_alloc)
             for j in range(c.num_layers)]
@@ -489,7 +490,7 @@ def _in_ram(shape, dtype, device=None) -> torch.Tensor:
 def _like(buf: KVBuffer, device) -> KVBuffer:
     """An empty working buffer with buf's shape and declared state on `device`, sharing its
     constants."""
-    return KVBuffer(buf.capacity, buf.valid.shape[1], buf.head_dim, buf.dtype, device,
+    return KVBuffer(buf.layout, buf.valid.shape[1], buf.head_dim, buf.dtype, device,
                     kv_heads=buf.kv_heads, layer=buf.layer, fields=buf.fields,
                     constants=buf.constants)
 

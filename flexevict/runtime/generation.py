@@ -145,8 +145,8 @@ def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None 
     if any(len(d) != n for d in docs):
         raise ValueError("stream_nll needs documents of equal length")
     check_length(model.config, n - 1, 1)
-    policy.capacity(n - 1, 1)                      # resolve the slots for n tokens in all
-    p0 = min(prefill_tokens or (policy.slots if policy.evicts else n - 1), n - 1)
+    layout = policy.layout(n - 1, 1)               # the slots for n tokens in all
+    p0 = min(prefill_tokens or (layout.slots if layout.evicts else n - 1), n - 1)
     if p0 < 1:
         raise UserError(f"--prefill-tokens must be >= 1 (got {p0})")
     engine = as_engine(model)
