@@ -151,3 +151,48 @@ def test_the_batcher_still_pads_prompts_that_compact_alike():
     assert gen.plan_batches([8, 51, 14], 16, get_policy("full"), 8) == [[0, 2, 1]]
     assert gen.plan_batches([8, 51, 14], 16, get_policy("h2o", budget_tokens=24), 8) == \
         [[0], [2], [1]]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_run_leaves_the_policy_unchanged(name):
+    """Per-run sizes live in the run's frozen layout, not on the policy: the policy equals
+    what it was after a run, refuses attribute writes, and every buffer carries that layout."""
+    import dataclasses
+    policy = get_policy(name, **({} if name == "full" else {"budget": 0.5}))
+    before = dataclasses.replace(policy)          # a copy of its budget and arguments
+    generate(model_for("llama-gqa"), rand_prompts([40, 31], seed=6), 12, policy, Sampling(), (), 0)
+    assert policy == before and vars(policy).keys() == vars(before).keys()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.budget = 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.anything_new = 1
+    layout = policy.layout(40, 12)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.slots = 3
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_arguments_are_typed_fields_converted_from_strings(name):
+    """Every argument is a dataclass field with a default; a --policy-arg string becomes the
+    field's type (what the CLI passes), and an unknown name is refused naming the known ones."""
+    import typing
+    cls = POLICIES[name]
+    default = cls.from_args()
+    hints = typing.get_type_hints(type(default))
+    for key, value in default.arguments().items():
+        assert isinstance(value, hints[key]), (key, value)
+        as_string = str(value).lower() if isinstance(value, bool) else str(value)
+        again = cls.from_args(**{key: as_string}).arguments()[key]
+        assert again == value and type(again) is type(value), (key, again)
+    with pytest.raises(UserError, match="unknown --policy-arg nope") as e:
+        cls.from_args(nope="1")
+    assert all(key in str(e.value) for key in default.arguments())
+
+
+def test_policy_arg_strings_of_the_wrong_type_are_refused():
+    with pytest.raises(UserError, match="hash_bits=many: expected a int"):
+        get_policy("hashevict", hash_bits="many")
+    with pytest.raises(UserError, match="tie_replace=maybe: expected true or false"):
+        get_policy("cascade", tie_replace="maybe")
+    assert get_policy("cascade", tie_replace="yes").tie_replace is True
+    assert get_policy("cascade", gamma="0.5").gamma == 0.5
