@@ -64,7 +64,10 @@ def add_sweep_args(p):
     from flexevict.evaluation.tasks import TASKS
     p.add_argument("--out", required=True, help="folder for results.json, tables and plots")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {', '.join(TASKS)}")
-    p.add_argument("--policies", default=None, help="comma list (default: every registered policy)")
+    p.add_argument("--policies", default=None,
+                   help="comma list of policies, each optionally tagged NAME@TAG to sweep it "
+                        "again with other --policy-arg LABEL:name=value (default: every "
+                        "registered policy)")
     p.add_argument("--budgets", default=None,
                    help="comma list of fractions in (0, 1] (default "
                         f"{','.join(map(str, DEFAULT_BUDGETS))}; with --quick "
@@ -143,12 +146,11 @@ def sweep_inputs(args) -> tuple:
     """Check every sweep argument before the model loads -> (tasks, policies, budgets, text)."""
     from flexevict.evaluation.sweep import DEFAULT_BUDGETS, QUICK_BUDGETS, parse_budgets, parse_policies
     from flexevict.evaluation.tasks import parse_tasks
-    if args.policy != "full" or args.budget is not None or args.budget_tokens is not None \
-            or args.policy_arg:
-        raise UserError("sweep takes --policies and --budgets (lists), not --policy, --budget, "
-                        "--budget-tokens or --policy-arg")
+    if args.policy != "full" or args.budget is not None or args.budget_tokens is not None:
+        raise UserError("sweep takes --policies and --budgets (lists), not --policy, --budget "
+                        "or --budget-tokens")
     names = parse_tasks(args.tasks)
-    policies = parse_policies(args.policies)
+    policies = parse_policies(args.policies, args.policy_arg)
     budgets = parse_budgets(args.budgets) if args.budgets else \
         list(QUICK_BUDGETS if args.quick else DEFAULT_BUDGETS)
     text = read_text(args.text) if args.text else None

@@ -160,6 +160,14 @@ def test_stream_nll_batch_equals_each_document_alone(engine_smollm2):
     (["--text", "/nonexistent/doc.txt"], "/nonexistent/doc.txt: text file does not exist"),
     (["--policies", "h2o,lru"], "unknown policy 'lru'"),
     (["--policy", "h2o"], "sweep takes --policies and --budgets"),
+    (["--policy-arg", "eager_fill=true"], "it must look like policy:name=value"),
+    (["--policies", "h2o", "--policy-arg", "cascade:eager_fill=true"],
+     "'cascade' is not in --policies (h2o)"),
+    (["--policies", "cascade", "--policy-arg", "cascade:nope=1"], "unknown --policy-arg nope"),
+    (["--policies", "cascade", "--policy-arg", "cascade:gamma=x"], "gamma=x: expected a float"),
+    (["--policies", "h2o,h2o"], "names a label twice"),
+    (["--policies", "h2o@"], "empty tag"),
+    (["--policies", "lru@x"], "unknown policy 'lru'"),
 ])
 def test_bad_input_is_one_line_error(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -201,5 +209,22 @@ def test_a_sweep_run_records_the_shared_run_metadata(tmp_path):
         def run(self, llm, spec):
             return {"score": 1.0}
     llm = SimpleNamespace(device=torch.device("cpu"))
-    data, ran, _ = run_sweep(llm, "m", [Task()], ["full"], [0.5], str(tmp_path), progress=False)
+    data, ran, _ = run_sweep(llm, "m", [Task()], {"full": ()}, [0.5], str(tmp_path),
+                              progress=False)
     assert ran == 1 and data["runs"][0]["machine"] == run_metadata("cpu")
+
+
+def test_a_policy_swept_again_under_a_label_with_its_own_arguments(quick, capsys):
+    """`cascade@eager` is `cascade` with eager_fill: its own cells, keyed by label and
+    arguments, next to the untagged policy's (already run, so not rerun)."""
+    from flexevict.evaluation.sweep import parse_policies, policy_at
+    policies = parse_policies("cascade,cascade@eager", ["cascade@eager:eager_fill=true"])
+    assert policies == {"cascade": (), "cascade@eager": (("eager_fill", "true"),)}
+    assert policy_at("cascade@eager", 0.2, policies["cascade@eager"]).make().eager_fill is True
+    r = sweep(capsys, "--quick", "--out", quick, "--tasks", "ppl",
+              "--policies", "cascade,cascade@eager", "--policy-arg", "cascade@eager:eager_fill=true")
+    assert "2 cells, 1 already done, 1 to run" in r["stderr"] and r["cells_run"] == 1
+    cell = cells(quick)[("ppl", "cascade@eager", 0.2)]
+    assert cell["args"] == {"eager_fill": "true"} and cell["metrics"]["ppl"] > 0
+    with open(os.path.join(quick, "results.md")) as f:
+        assert "cascade@eager" in f.read()

@@ -41,28 +41,55 @@ def parse_budgets(spec: str) -> list[float]:
     return sorted(set(out))
 
 
-def parse_policies(spec: str | None) -> list[str]:
-    names = list(POLICIES) if spec is None else [s.strip() for s in spec.split(",") if s.strip()]
-    for n in names:
-        PolicySpec.parse(n)                 # a one-line error naming the known policies
-    return names
+def policy_name(label: str) -> str:
+    """'h2o@T+w' -> 'h2o': a label is a registered policy, optionally '@' a tag, so one policy
+    can be swept more than once with different arguments."""
+    return label.partition("@")[0]
 
 
-def policy_at(name: str, budget: float) -> PolicySpec:
+def parse_policies(spec: str | None, policy_args=()) -> dict[str, tuple]:
+    """'h2o,cascade,cascade@eager' and ['cascade@eager:eager_fill=true', ...] -> {label:
+    ((name, value), ...)}, in order; every policy and argument checked now (one-line errors)."""
+    labels = list(POLICIES) if spec is None else [s.strip() for s in spec.split(",") if s.strip()]
+    if len(set(labels)) != len(labels):
+        raise UserError("--policies names a label twice; tag repeats, e.g. h2o,h2o@ablation")
+    given: dict[str, list] = {label: [] for label in labels}
+    for item in policy_args or ():
+        label, colon, pair = item.partition(":")
+        if not colon or "=" not in pair:
+            raise UserError(f"--policy-arg '{item}': in a sweep it must look like "
+                            "policy:name=value (e.g. cascade:eager_fill=true)")
+        if label not in given:
+            raise UserError(f"--policy-arg '{item}': '{label}' is not in --policies "
+                            f"({', '.join(labels)})")
+        given[label].append(pair)
+    out = {}
+    for label, pairs in given.items():
+        if "@" in label and not label.partition("@")[2]:
+            raise UserError(f"--policies: '{label}' has an empty tag after '@'")
+        out[label] = PolicySpec.parse(policy_name(label), policy_args=pairs).args
+    return out
+
+
+def policy_at(label: str, budget: float, args: tuple = ()) -> PolicySpec:
     """The spec of one cell; `full` refuses a budget (it runs at 1.0 only)."""
-    return PolicySpec("full") if name == "full" else PolicySpec(name, budget=budget)
+    name = policy_name(label)
+    return PolicySpec(name, None if name == "full" else budget, args=args)
 
 
-def plan(tasks: list, policies: list[str], budgets: list[float]) -> list[tuple]:
-    """[(task, policy, budget)]: every policy at every budget; `full`, the reference every
+def plan(tasks: list, policies: dict[str, tuple], budgets: list[float]) -> list[tuple]:
+    """[(task, label, args, budget)]: every policy at every budget; `full`, the reference every
     table and claim compares with, once at 1.0 whatever the budgets."""
-    return [(t, p, b) for t in tasks for p in policies
-            for b in ([1.0] if p == "full" else budgets)]
+    return [(t, label, args, b) for t in tasks for label, args in policies.items()
+            for b in ([1.0] if policy_name(label) == "full" else budgets)]
 
 
-def cell_key(model: str, task, policy: str, budget: float) -> str:
-    return json.dumps({"model": model, "task": task.name, "policy": policy, "budget": budget,
-                       "settings": task.settings}, sort_keys=True)
+def cell_key(model: str, task, policy: str, args: tuple, budget: float) -> str:
+    key = {"model": model, "task": task.name, "policy": policy, "budget": budget,
+           "settings": task.settings}
+    if args:                                  # cells without arguments keep their old keys
+        key["args"] = [list(a) for a in args]
+    return json.dumps(key, sort_keys=True)
 
 
 # ------------------------------------------------------------------------------ results file
@@ -90,12 +117,13 @@ def save_results(path: str, data: dict) -> None:
 
 # ------------------------------------------------------------------------------ running
 
-def run_sweep(llm, model: str, tasks: list, policies: list[str], budgets: list[float],
+def run_sweep(llm, model: str, tasks: list, policies: dict[str, tuple], budgets: list[float],
               out: str, progress: bool = True) -> tuple[dict, int, float]:
     """Run every missing cell, saving after each; -> (the results file's contents, cells run,
     wall seconds spent on them).
 
-    tasks: built `tasks.Task` objects (their inputs fixed); model: the name cells are keyed by.
+    tasks: built `tasks.Task` objects (their inputs fixed); model: the name cells are keyed by;
+    policies: {label: arguments} (`parse_policies`).
     """
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "results.json")
@@ -106,13 +134,14 @@ def run_sweep(llm, model: str, tasks: list, policies: list[str], budgets: list[f
           f" -> {path}", file=sys.stderr)
     bar = Progress(len(todo), "sweep", "cell", enabled=progress)
     t_start = time.perf_counter()
-    for task, name, budget in todo:
+    for task, label, args, budget in todo:
         t0 = time.perf_counter()
-        spec = policy_at(name, budget)
+        spec = policy_at(label, budget, args)
         why = task.slots_check(spec)      # a budget below the policy's minimum: a skipped cell
         metrics = {"skipped": why} if why else task.run(llm, spec)
-        data["cells"][cell_key(model, task, name, budget)] = {
-            "model": model, "task": task.name, "policy": name, "budget": budget,
+        data["cells"][cell_key(model, task, label, args, budget)] = {
+            "model": model, "task": task.name, "policy": label, "args": dict(args),
+            "budget": budget,
             "settings": task.settings, "metrics": metrics,
             "seconds": round(time.perf_counter() - t0, 2),
             "finished": datetime.datetime.now().isoformat(timespec="seconds")}
@@ -122,7 +151,8 @@ def run_sweep(llm, model: str, tasks: list, policies: list[str], budgets: list[f
     seconds = round(time.perf_counter() - t_start, 1)
     if todo:
         data["runs"].append({"cells": len(todo), "seconds": seconds,
-                             "tasks": [t.name for t in tasks], "policies": policies,
+                             "tasks": [t.name for t in tasks],
+                             "policies": {k: dict(v) for k, v in policies.items()},
                              "budgets": budgets,
                              "machine": run_metadata(llm.device)})
         save_results(path, data)
