@@ -4,8 +4,7 @@ Matters"; Sec. 3.2, Eq. 4, App. A and B).
 
 Rule: a token's importance is its base policy's attention score times the l1 norm of its value
 vector, `I_k = S_k * ||v_k||_1`, per (sequence, kv head), and the first F tokens (the "attention
-sink tokens", F = 20 by default, App. A) are always kept. Everything else is the base policy's
-(App. A):
+sink tokens") are always kept. Everything else is the base policy's (App. A):
 - `base=h2o` (default, "H2O w/ VATP"): S_k = H2O's accumulated attention (Eq. 2) in `buf.score`;
   the product is formed where a decision is made (`prefix_rank`, `victim_candidates`). As ||v_k||
   is fixed once the token exists, this equals the paper's incremental `I += a * ||v||`.
@@ -18,6 +17,13 @@ sink tokens", F = 20 by default, App. A) are always kept. Everything else is the
 value norm (`vatp` with `norm=none`).
 
 Decisions where the paper is silent:
+- F scales with the setting (`sinks=-1`, the default; `sinks=N` fixes it). App. A pins F = 20 for
+  LLaMA2-7B-chat at 4K tokens and F = 40 for Vicuna at 8K, with half of a 50% budget as heavy
+  slots: F is 1/200 of the context and about 2% (20 of 1024) of the heavy slots. The default
+  keeps both ratios: F = round(context / 200), at most floor(heavy * 20 / 1024), at least 1, so
+  it is the paper's 20 and 40 in the paper's settings and does not take 40-100% of the heavy
+  slots at 5-20% budgets of a 512-token context (the context: prompt + generated tokens, the
+  budget's base).
 - Sinks count inside the budget (as in the authors' code) and are capped at the heavy (prefix)
   slots; "first F" counts each row's real tokens, pads are never sinks.
 - The norm is taken from the cached V of each slot (`buf.v`, bias included, no RoPE), in fp32,
@@ -32,6 +38,7 @@ Notes: policies/README.md#vatp
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +53,8 @@ from flexevict.policies.h2o import H2O
 from flexevict.policies.scissorhands import Scissorhands
 
 NORMS = ("l1", "l2", "linf", "none")
+PIN_PER_CONTEXT = 20 / 4096     # App. A: F = 20 at LLaMA2's 4K tokens (40 at Vicuna's 8K)
+PIN_PER_HEAVY = 20 / 1024       # ... of the 1024 heavy slots half a 50% budget gives at 4K
 BASES = ("h2o", "scissorhands")
 
 
@@ -80,15 +89,20 @@ class ValueAware:
                             f"norm={self.norm}); use policy 'vatp' for a norm")
         if self.norm not in NORMS:
             raise UserError(f"--policy-arg norm={self.norm}: expected one of {', '.join(NORMS)}")
-        if self.sinks < 0:
-            raise UserError(f"--policy-arg sinks={self.sinks}: must be >= 0")
+        if self.sinks < -1:
+            raise UserError(f"--policy-arg sinks={self.sinks}: must be >= 0 (or -1: scale "
+                            "with the context, the default)")
 
     def min_prefix(self) -> int:
-        return min(1, self.sinks)               # room for at least the first token
+        return 0 if self.sinks == 0 else 1      # room for at least the first token
 
     def pinned_count(self, layout) -> int:
-        """F, capped at the heavy (prefix) slots (see the module docstring)."""
-        return min(self.sinks, layout.prefix)
+        """F, capped at the heavy (prefix) slots; sinks=-1 derives it from the paper's ratios
+        (see the module docstring)."""
+        if self.sinks >= 0:
+            return min(self.sinks, layout.prefix)
+        scaled = round((layout.prompt_len + layout.gen_len) * PIN_PER_CONTEXT)
+        return min(max(1, min(scaled, math.floor(layout.prefix * PIN_PER_HEAVY))), layout.prefix)
 
     def describe(self, layout=None) -> dict:
         d = super().describe(layout)
@@ -132,7 +146,7 @@ class VATPOverScissorhands(ValueAware, Scissorhands):
     available as `score=count`)."""
     score: str = "attention"
     base: str = "scissorhands"
-    sinks: int = 20
+    sinks: int = -1                 # F; -1: scaled with the context (module docstring)
     norm: str = "l1"
     name = "vatp"
 
@@ -144,7 +158,7 @@ class VATPOverScissorhands(ValueAware, Scissorhands):
 @dataclass(frozen=True)
 class VATP(ValueAware, H2O):
     base: str = "h2o"
-    sinks: int = 20
+    sinks: int = -1                 # F; -1: scaled with the context (module docstring)
     norm: str = "l1"
     name = "vatp"
     over_scissorhands = VATPOverScissorhands

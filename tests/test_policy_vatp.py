@@ -250,8 +250,9 @@ def run_policy(model, prompts, n, policy, monkeypatch=None, check=None, layouts=
 
 def invariant_checker(prompt_lens, model, sinks):
     """Checks for a left-padded batch after every decode step of every layer: budget, unique
-    real positions, first F real tokens, H2O's recent window, pads never kept. steps["layout"]:
-    the run's layout (the same in every buffer)."""
+    real positions, first F real tokens (F = min(sinks, heavy slots); sinks None: the policy's
+    derived F), H2O's recent window, pads never kept. steps["layout"]: the run's layout (the
+    same in every buffer)."""
     kv_heads, layers = model.config.num_kv_heads, model.config.num_layers
     steps = {"n": 0}
 
@@ -262,7 +263,8 @@ def invariant_checker(prompt_lens, model, sinks):
         assert steps.setdefault("layout", lay) == lay
         assert lay.evicts
         assert not buf.valid[buf.scratch].any()
-        F = min(sinks, lay.prefix)
+        F = policy.pinned_count(lay) if sinks is None else min(sinks, lay.prefix)
+        steps["F"] = F
         for r in range(buf.valid.shape[1]):
             n_real = prompt_lens[r // kv_heads]
             assert n_real >= lay.slots                   # every row evicts from the prefill on
@@ -290,11 +292,11 @@ def test_invariants_end_to_end(key):
     assert all(len(o) == 12 for o in out)
 
 
-def test_default_sinks_end_to_end():
-    """Default F = 20 with a budget where it fits in the heavy slots (pinned 20, heavy > 0)."""
+def test_paper_sinks_end_to_end():
+    """The paper's F = 20 with a budget where it fits in the heavy slots (heavy > 0)."""
     model = model_for("llama-gqa")
     lens = [120]
-    policy = get_policy("vatp", budget_tokens=60)
+    policy = get_policy("vatp", budget_tokens=60, sinks=20)
     check, steps = invariant_checker(lens, model, 20)
     run_policy(model, rand_prompts(lens, seed=2), 6, policy, check=check)
     d = policy.describe(steps["layout"])
@@ -302,11 +304,11 @@ def test_default_sinks_end_to_end():
     assert steps["n"] == 5 * model.config.num_layers
 
 
-def test_default_sinks_capped_end_to_end():
-    """Default F = 20 with fewer heavy slots than F: the whole prefix holds the first tokens."""
+def test_given_sinks_capped_end_to_end():
+    """F = 20 with fewer heavy slots than F: the whole prefix holds the first tokens."""
     model = model_for("opt")
     lens = [50, 44]
-    policy = get_policy("vatp", budget=0.2)
+    policy = get_policy("vatp", budget=0.2, sinks=20)
     check, steps = invariant_checker(lens, model, 20)
     run_policy(model, rand_prompts(lens, seed=7), 8, policy, check=check)
     assert policy.describe(steps["layout"])["pinned"] == steps["layout"].prefix == 5
@@ -378,11 +380,11 @@ def test_ablation_differs_only_by_value_norm(key, base, monkeypatch):
 # ------------------------------------------------------------------ options and bad input
 
 def test_describe_and_cap():
-    p = get_policy("vatp", budget_tokens=60)
+    p = get_policy("vatp", budget_tokens=60, sinks=20)
     d = p.describe(p.layout(200, 10))
     assert (d["prefix"], d["ring"], d["pinned"], d["heavy"]) == (29, 30, 20, 9)
     assert (d["base"], d["norm"], d["sinks"]) == ("h2o", "l1", 20)
-    p = get_policy("vatp", budget_tokens=11)             # heavy slots < F: F capped
+    p = get_policy("vatp", budget_tokens=11, sinks=20)   # heavy slots < F: F capped
     d = p.describe(p.layout(200, 10))
     assert (d["pinned"], d["heavy"]) == (5, 0)
     assert get_policy("vatp-pin").norm == "none"
@@ -391,7 +393,7 @@ def test_describe_and_cap():
 
 @pytest.mark.parametrize("name,args", [
     ("vatp", {"window": 3}), ("vatp-pin", {"norm": "l1"}), ("vatp", {"base": "tova"}),
-    ("vatp", {"norm": "l3"}), ("vatp", {"sinks": -1}), ("vatp", {"sinks": "many"}),
+    ("vatp", {"norm": "l3"}), ("vatp", {"sinks": -2}), ("vatp", {"sinks": "many"}),
 ])
 def test_bad_args(name, args):
     with pytest.raises(UserError):
@@ -413,7 +415,7 @@ def test_budget_below_minimum(name):
 
 def test_scissorhands_variant():
     from flexevict.policies.scissorhands import Scissorhands
-    p = get_policy("vatp", budget=0.2, base="Scissorhands")
+    p = get_policy("vatp", budget=0.2, base="Scissorhands", sinks=20)
     assert isinstance(p, Scissorhands) and p.name == "vatp"
     assert {k: getattr(p, k) for k in ("base", "sinks", "norm", "recent", "window", "score")} == \
         {"base": "scissorhands", "sinks": 20, "norm": "l1", "recent": 10, "window": 400,
@@ -456,3 +458,42 @@ def test_pin_control_without_sinks_is_the_base(base, args, monkeypatch):
     out_p, log_p = run_policy(model, prompts, 10, get_policy("vatp-pin", budget=0.25, sinks=0,
                                                              base=base, **args), monkeypatch)
     assert out_b == out_p and all(torch.equal(a, b) for a, b in zip(log_b, log_p))
+
+
+# ------------------------------------------------------------------ the default F
+
+@pytest.mark.parametrize("name", ["vatp", "vatp-pin"])
+@pytest.mark.parametrize("base", ["h2o", "scissorhands"])
+def test_default_pinned_count_is_the_papers_in_its_settings(name, base):
+    """App. A: F = 20 at 4K tokens and F = 40 at 8K under a 50% budget (half of it heavy for
+    H2O); the default derives both from the context and the heavy slots."""
+    for context, want in ((4096, 20), (8192, 40)):
+        p = get_policy(name, budget_tokens=context // 2 + 1, base=base)
+        lay = p.layout(context - 1, 1)
+        assert p.sinks == -1 and p.pinned_count(lay) == want, (context, lay.prefix)
+
+
+@pytest.mark.parametrize("budget, heavy, want", [(0.05, 12, 1), (0.1, 25, 1), (0.2, 50, 1),
+                                                  (0.4, 101, 1), (0.6, 153, 2)])
+def test_default_pinned_count_on_short_contexts(budget, heavy, want):
+    """512 tokens: round(512 / 204.8) = 2 (1/200 of the context) capped at 2% of the heavy
+    slots, at least 1 - not 20 pinned tokens taking 40-100% of the heavy slots."""
+    p = get_policy("vatp", budget=budget)
+    lay = p.layout(511, 1)
+    assert lay.prefix == heavy and p.pinned_count(lay) == want
+    d = p.describe(lay)
+    assert (d["pinned"], d["heavy"]) == (want, heavy - want)
+    # a given F is kept as given (capped at the heavy slots) and F = 0 pins nothing
+    assert get_policy("vatp", budget=budget, sinks=20).pinned_count(lay) == min(20, heavy)
+    assert get_policy("vatp", budget=budget, sinks=0).pinned_count(lay) == 0
+
+
+def test_default_sinks_end_to_end():
+    """The derived F holds on a real run: the first F real tokens stay at every step."""
+    model = model_for("llama-gqa")
+    lens = [120, 97]
+    policy = get_policy("vatp", budget_tokens=60)
+    check, steps = invariant_checker(lens, model, None)
+    run_policy(model, rand_prompts(lens, seed=2), 6, policy, check=check)
+    assert steps["F"] == policy.pinned_count(steps["layout"]) == 1     # 126 tokens: round(0.6)
+    assert steps["n"] == 5 * model.config.num_layers
