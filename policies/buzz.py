@@ -20,7 +20,11 @@ Decisions where the paper is silent or ambiguous:
 - T bounds the whole middle (old + new), as in the authors' code and App. D.1's recursion (Alg. 1's
   text counts new tokens only); a pass runs when the middle exceeds T, after the step's attention.
 - GQA: a kv head's score sums the attention of its query heads.
-- Prefill (Remark 2): passes repeat until the middle fits T, so the buffer is bounded at once.
+- Prefill (Remark 2: "continuously conduct sampling until the selected tokens can fit"): passes
+  repeat until the middle fits T, so the buffer is bounded at once. Remark 2 does not say how a
+  repeated pass treats the survivors of the previous one. Default (`prompt_sampling=interval`):
+  as in decode, they are old and interval-sampled; `prompt_sampling=maxima` reads it as local
+  maxima on every pass (all middle tokens count as new each time).
 - Budget -> (k, w, T, s): the buffer holds the peak, k + w + T + 1 <= slots; defaults k = 4,
   s = 5; w and T split the rest in Theorem 3.1's ratio T/w (each settable by --policy-arg).
 - Positions: keys cached before RoPE and rotated by in-cache rank (`pos_shift=True`, the authors'
@@ -59,6 +63,7 @@ class BuzzLayout(Layout):
     w: int = 1
     T: int = MIN_T
     s: int = 5
+    prompt_maxima: bool = False     # every prefill pass takes local maxima (prompt_sampling)
 
     @property
     def s_hat(self) -> int:
@@ -89,7 +94,7 @@ class BuzzLayout(Layout):
         for step in range(steps + 1):
             n += step > 0
             while self.evicts and n - self.k - self.w > self.T:   # repeats only in prefill
-                n, a = self.pass_counts(n, a)
+                n, a = self.pass_counts(n, 0 if self.prompt_maxima else a)
             sizes.append(n)
         return sizes
 
@@ -112,6 +117,7 @@ class Buzz(Policy):
     T: int = 0                      # threshold (0: from the budget)
     s: int = 5                      # hive size
     pos_shift: bool = True
+    prompt_sampling: str = "interval"   # Remark 2's repeated prefill passes: interval | maxima
     name = "buzz"
     needs_prompt_scores = True
     accumulates_attention = True
@@ -127,6 +133,10 @@ class Buzz(Policy):
         if self.T != 0 and self.T < MIN_T:
             raise UserError(f"--policy-arg T={self.T}: BUZZ's threshold must be >= {MIN_T} "
                             "(T=0: derive from the budget)")
+        if self.prompt_sampling not in ("interval", "maxima"):
+            raise UserError(f"--policy-arg prompt_sampling={self.prompt_sampling}: expected "
+                            "'interval' (survivors of a prefill pass are old tokens) or 'maxima' "
+                            "(local maxima on every pass)")
 
     # ------------------------------------------------------------------ sizing
     def fields(self, layout):
@@ -155,7 +165,8 @@ class Buzz(Policy):
         # budget >= sequence: nothing is ever evicted and keys are cached like `full`
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
         fields["rope_in_cache"] = self.pos_shift and base.evicts
-        return BuzzLayout(**fields, k=self.k, w=w, T=T, s=s)
+        return BuzzLayout(**fields, k=self.k, w=w, T=T, s=s,
+                          prompt_maxima=self.prompt_sampling == "maxima")
 
     # ------------------------------------------------------------------ hooks
     def prefill(self, buf: KVBuffer, k, v, pos, valid, scores=None) -> None:
@@ -170,7 +181,8 @@ class Buzz(Policy):
         old = torch.zeros_like(live)
         index = torch.arange(s_len, device=valid.device).unsqueeze(1).expand(s_len, rows)
         for _ in range(s_len):                         # Remark 2: sample until it fits
-            keep, old_after, hit = self.select(lay, live, old, score)
+            seen_as_old = torch.zeros_like(old) if lay.prompt_maxima else old
+            keep, old_after, hit = self.select(lay, live, seen_as_old, score)
             if not bool(hit.any()):
                 break
             sel, live = compaction(keep)

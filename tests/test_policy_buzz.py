@@ -445,3 +445,43 @@ def test_pos_shift_switches_rope_positions():
         assert on.describe(lay_on)["pos_shift"] and not off.describe(lay_off)["pos_shift"]
         same = all(torch.equal(x, y) for x, y in zip(a, b))
         assert same == (key == "opt")
+
+
+def _maxima_reference(scores, k, w, T, s):
+    """Remark 2 read as local maxima on every pass: positions kept after prefill."""
+    keep = list(range(len(scores)))
+    while len(keep) - k - w > T:
+        middle = keep[k:len(keep) - w]
+        chosen = []
+        for i in range(0, len(middle), s):
+            hive = middle[i:i + s]
+            chosen.append(max(hive, key=lambda p: (scores[p], -p)))    # first on ties
+        keep = keep[:k] + chosen + keep[len(keep) - w:]
+    return keep
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prompt_sampling_maxima_takes_local_maxima_on_every_pass(seed):
+    """`prompt_sampling=maxima`: each repeated prefill pass keeps the local maximum of every
+    hive of the whole middle; the default treats a pass's survivors as old (interval-sampled),
+    so the two differ on long prompts; the host counts and describe() follow the mode."""
+    k, w, T, s, n = 2, 3, 6, 3, 60
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(n, generator=gen).tolist()
+    kept = {}
+    for mode in ("maxima", "interval"):
+        policy = get_policy("buzz", budget_tokens=k + w + T + 1, k=k, w=w, T=T, s=s,
+                            prompt_sampling=mode)
+        layout = policy.layout(n, 8)
+        buf = KVBuffer(layout, 1, D, torch.float32, "cpu", fields=policy.fields(layout))
+        prefill(policy, buf, scores)
+        kept[mode] = sorted(int(p) for p in buf.pos[buf.valid[:, 0], 0])
+        assert buf.policy_state["counts"] == ((len(kept[mode]), len(kept[mode]) - k - w),)
+        assert layout.simulate(n, 0)[0] == len(kept[mode])
+    assert kept["maxima"] == _maxima_reference(scores, k, w, T, s)
+    assert kept["maxima"] != kept["interval"]
+
+
+def test_prompt_sampling_is_checked():
+    with pytest.raises(UserError, match="prompt_sampling=every"):
+        get_policy("buzz", budget=0.5, prompt_sampling="every")
