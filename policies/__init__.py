@@ -1,7 +1,7 @@
 """Eviction policies, one module per policy, registered by name (installed as `flexevict.policies`).
 
 A policy owns three decisions on a layer's `KVBuffer` and nothing else (no I/O, no device
-choice): how many committed slots the buffer has (`capacity`), which prompt tokens it keeps after
+choice): how a run's budget divides the buffer (`layout`, a frozen `kv.Layout`), which prompt tokens it keeps after
 prefill (`prefill`), and where each decoded token goes (`before_attention` for pre-attention
 policies, `after_attention` for policies that read the attention probabilities just used).
 """

@@ -151,8 +151,7 @@ class Buzz(Policy):
         s, room = self.s, base.capacity - self.k           # slots for window + middle
         w, T = self.w, self.T
         if not w and not T:
-            theorem_w = room * (s + 1) // (s * s + s + 2) if s % 2 else room // s
-            w = max(1, min(theorem_w, room - MIN_T))
+            w = theorem_window(room, s)
             T = room - w
         elif not T:
             T = room - w
@@ -234,6 +233,13 @@ class Buzz(Policy):
             raise RuntimeError(f"BUZZ pass leaves {used} tokens for {buf.capacity} slots")
         lay = buf.layout
         kernels.buzz_pass(buf, n, lay.k, lay.w, lay.T, lay.s, used=used)
+
+
+def theorem_window(room: int, s: int) -> int:
+    """The window w for `room` = w + T slots in Theorem 3.1's ratio T/w (at least 1, leaving T
+    at least MIN_T when it can)."""
+    w = room * (s + 1) // (s * s + s + 2) if s % 2 else room // s
+    return max(1, min(w, room - MIN_T))
 
 
 def _distinct(counts) -> tuple:

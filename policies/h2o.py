@@ -11,22 +11,40 @@ the token leaving the recent window (ties: the oldest), and reuses its slot in p
 fewer recent, and the token leaving the window is always promoted; only heavy slots compete.
 From the second decode step on it equals `h2o` with one fewer heavy and one more recent slot.
 
+`split=buzz` is the H2O that BUZZ's authors compare against (BUZZ, Zhao et al. 2024, Sec. 4):
+the recent window is BUZZ's w for the same slots (its Theorem 3.1 with k = 4, s = 5) and the
+heavy set its k + T, so the two differ only in how they choose the middle.
+
 Notes: policies/README.md#h2o
 """
 from dataclasses import dataclass
 
+from flexevict.errors import UserError
 from flexevict.policies.registry import register
 from flexevict.policies.base import RingPolicy, add_attention
+
+
+SPLITS = ("half", "buzz")
 
 
 @register
 @dataclass(frozen=True)
 class H2O(RingPolicy):
+    split: str = "half"             # heavy/recent: the paper's halves, or BUZZ's T + k / w
     name = "h2o"
     needs_prompt_scores = True
     accumulates_attention = True
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.split not in SPLITS:
+            raise UserError(f"--policy-arg split={self.split}: expected one of "
+                            f"{', '.join(SPLITS)}")
+
     def prefix_slots(self, capacity: int) -> int:
+        if self.split == "buzz":    # BUZZ's comparison: w recent, the k sinks + T middle heavy
+            from flexevict.policies.buzz import Buzz, theorem_window   # keeps registry order
+            return capacity - min(theorem_window(capacity - Buzz.k, Buzz.s), capacity)
         return capacity // 2
 
     def prefix_rank(self, buf, scores, k, v, pos, valid):
@@ -43,6 +61,12 @@ class H2O(RingPolicy):
 @dataclass(frozen=True)
 class H2ORing(H2O):
     name = "h2o-ring"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.split != "half":
+            raise UserError("h2o-ring has the FlexGen code's own split; --policy-arg split is "
+                            "for h2o")
 
     def prefix_slots(self, capacity: int) -> int:
         return (capacity + 1) // 2

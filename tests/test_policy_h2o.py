@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flexevict.core.kv import KVBuffer
+from flexevict.errors import UserError
 from flexevict.policies import get_policy
 from tiny import kept
 
@@ -127,3 +128,21 @@ def test_window_and_sinks_are_never_evicted(name, sinks):
         t = prompt + step
         expect = list(range(sinks)) + list(range(t - (11 - sinks) + 1, t + 1))
         assert all(s == expect for s in sets), (step, sets[0], expect)
+
+
+@pytest.mark.parametrize("budget", [0.05, 0.1, 0.2, 0.4])
+def test_split_buzz_is_the_h2o_buzz_compares_against(budget):
+    """`split=buzz`: recent = BUZZ's window w, heavy = its k sinks + T middle, for the same
+    slots (BUZZ's authors' H2O); the default keeps the paper's halves."""
+    h2o, buzz = get_policy("h2o", budget=budget, split="buzz"), get_policy("buzz", budget=budget)
+    lh, lb = h2o.layout(511, 1), buzz.layout(511, 1)
+    assert lh.slots == lb.slots and (lh.prefix, lh.ring) == (lb.k + lb.T, lb.w)
+    half = get_policy("h2o", budget=budget).layout(511, 1)
+    assert (half.prefix, half.ring) == (half.capacity // 2, half.capacity - half.capacity // 2)
+
+
+def test_split_is_checked():
+    with pytest.raises(UserError, match="split=third"):
+        get_policy("h2o", budget=0.2, split="third")
+    with pytest.raises(UserError, match="h2o-ring"):
+        get_policy("h2o-ring", budget=0.2, split="buzz")
