@@ -1,5 +1,5 @@
-"""BUZZ (`buzz`, `buzz-logn`): the seed report's worked examples (seed-buzz.md §2.12), its
-steady-state table (§2.11), the budget -> (k, w, T, s) derivation (Theorem 3.1), a list-based
+"""BUZZ (`buzz`, `buzz-logn`): hand-computed worked examples of Algorithms 1-2, the
+steady-state counts of App. D.1, the budget -> (k, w, T, s) derivation (Theorem 3.1), a list-based
 reference of the paper's rules on random multi-row traces, and end-to-end invariants through the
 real model (rows independent, bit-identical to `full` when nothing is evicted)."""
 import math

@@ -1,4 +1,4 @@
-"""`cascade` (Cascading KV Cache, paper 002): the seed report's worked examples on hand-made
+"""`cascade` (Willette et al. 2024, "Training-Free Exponential Extension of Sliding Window Context with Cascading KV Cache"): hand-computed worked examples of Algorithm 1 on hand-made
 tensors, a plain-Python Algorithm 1 reference on random traces, Eq. 4, and end-to-end invariants
 through the tiny random models."""
 import functools
@@ -57,7 +57,7 @@ def kept(buf, row=0):
     return sorted(buf.pos[buf.valid[:, row], row].tolist())
 
 
-# Example A (seed §1.8): S=2, |C|=8, N=4, W=2, all mu = 0, strict '>'
+# Example A (hand-computed, Algorithm 1): S=2, |C|=8, N=4, W=2, all mu = 0, strict '>'
 EXAMPLE_A = {
     4: [[3, 4], [2], [], []],
     5: [[4, 5], [2], [], []],

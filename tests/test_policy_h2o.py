@@ -1,5 +1,5 @@
-"""`h2o`, `h2o-ring`, `local`, `streaming`: the H2O paper's worked example (seed-h2o.md §1.5),
-the ring variant's equivalence (§1.6), and the window/sink guarantees, on the policy hooks."""
+"""`h2o`, `h2o-ring`, `local`, `streaming`: a hand-computed example of the H2O paper's rule
+(Sec. 5.1), the ring variant's equivalence, and the window/sink guarantees, on the policy hooks."""
 import pytest
 import torch
 

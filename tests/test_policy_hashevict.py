@@ -1,4 +1,4 @@
-"""HashEvict (policies/hashevict.py): the seed report's worked examples (seed-hashevict.md §1.8),
+"""HashEvict (policies/hashevict.py): hand-computed worked examples of Algorithm 1,
 hashing and Hamming distances, the decode and prefill rules against a plain-Python reference of
 the paper's Algorithm 1, and end-to-end invariants through a tiny random model."""
 import math
@@ -76,7 +76,7 @@ def check_codes(policy, buf):
 
 
 def reference(kb, qb, n, cap, sinks, recent):
-    """Algorithm 1 for one row in plain Python (seed §1.4, §5.3, §5.4, §5.8).
+    """Algorithm 1 for one row in plain Python (the paper's Algorithm 1 and Sec. 3).
 
     kb (N, c) bool key bits, qb (N, g, c) bool query bits; the first `cap` tokens fill the
     cache, then each token t evicts, among cached positions p with sinks <= p < t - recent,
@@ -94,7 +94,7 @@ def reference(kb, qb, n, cap, sinks, recent):
 
 # ------------------------------------------------------------------------------ hashing
 
-R_A = torch.tensor([[1.0, 0, 0, 1], [0, 1, -1, 0], [1, -1, 0, 0]])   # seed §1.8(a)
+R_A = torch.tensor([[1.0, 0, 0, 1], [0, 1, -1, 0], [1, -1, 0, 0]])   # example (a)
 Q_A = torch.tensor([1.0, 1, 0, 1])
 K_A = torch.tensor([[1.0, 2, 0, 0], [-1, 0, 1, 0], [0, 0, 0, -1]])
 
@@ -129,7 +129,7 @@ def test_pack_and_popcount_against_python():
 
 
 def test_lsh_estimator_matches_angle():
-    """Eq. 3: E[d_H] / c = theta / pi (seed §6.1, c = 4096, d = 128)."""
+    """Eq. 3: E[d_H] / c = theta / pi (SimHash's angle property, c = 4096, d = 128)."""
     g = torch.Generator().manual_seed(1)
     proj = projection(4096, 128, seed=7)
     x, y = torch.randn(2, 20, 128, generator=g)

@@ -1,6 +1,6 @@
-"""`vatp` (Value-Aware Token Pruning, paper 004) and its control `vatp-pin`.
+"""`vatp` (Guo et al. 2024, "Attention Score is not All You Need for Token Importance Indicator in KV Cache Reduction: Value Also Matters") and its control `vatp-pin`.
 
-Hand-made buffers: the seed report's worked example (seed-vatp.md §2.8), the closed form
+Hand-made buffers: a hand-computed example of Eq. 4, the closed form
 I = S * ||v|| against a per-row reference simulation, equal norms => vatp == vatp-pin.
 Real tiny models: budget, uniqueness, pinned sinks and recent window at every step, row
 independence, bit-identical logits without eviction (OPT and LLaMA-GQA), and vatp vs vatp-pin
@@ -192,7 +192,7 @@ def test_matches_reference(norm, F, L):
 
 
 def test_equal_norms_equal_pin_control():
-    """With every value norm equal, vatp keeps exactly what vatp-pin keeps (seed §2.8 (b))."""
+    """With every value norm equal, vatp keeps exactly what vatp-pin keeps (the example's case (b))."""
     g = torch.Generator().manual_seed(5)
     L, T, rows, d = 14, 10, 2, 3
     v = torch.randn(L + T, rows, d, generator=g)
@@ -450,7 +450,7 @@ def test_scissorhands_base_end_to_end(score):
                                        ("scissorhands", {"recent": 4, "window": 6,
                                                          "score": "attention"})])
 def test_pin_control_without_sinks_is_the_base(base, args, monkeypatch):
-    """vatp-pin with sinks=0 is the base policy itself (seed §2.8 (c)), bit for bit."""
+    """vatp-pin with sinks=0 is the base policy itself (the example's case (c)), bit for bit."""
     model = model_for("opt")
     prompts = rand_prompts([40, 33], seed=8)
     out_b, log_b = run_policy(model, prompts, 10, get_policy(base, budget=0.25, **args),
