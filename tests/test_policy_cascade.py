@@ -1,4 +1,5 @@
-"""`cascade` (Willette et al. 2024, "Training-Free Exponential Extension of Sliding Window Context with Cascading KV Cache"): hand-computed worked examples of Algorithm 1 on hand-made
+"""`cascade` (Willette et al. 2024, "Training-Free Exponential Extension of Sliding Window
+Context with Cascading KV Cache"): hand-computed worked examples of Algorithm 1 on hand-made
 tensors, a plain-Python Algorithm 1 reference on random traces, Eq. 4, and end-to-end invariants
 through the tiny random models."""
 import functools

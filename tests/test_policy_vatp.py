@@ -1,4 +1,5 @@
-"""`vatp` (Guo et al. 2024, "Attention Score is not All You Need for Token Importance Indicator in KV Cache Reduction: Value Also Matters") and its control `vatp-pin`.
+"""`vatp` (Guo et al. 2024, "Attention Score is not All You Need for Token Importance
+Indicator in KV Cache Reduction: Value Also Matters") and its control `vatp-pin`.
 
 Hand-made buffers: a hand-computed example of Eq. 4, the closed form
 I = S * ||v|| against a per-row reference simulation, equal norms => vatp == vatp-pin.
