@@ -140,8 +140,11 @@ class Policy:
 
     def describe(self, layout: Layout | None = None) -> dict:
         """The arguments and, given a run's layout, its resolved budget: for every CLI's output
-        and every JSON result (the resolved sizes win over arguments that default to them)."""
-        return {"policy": self.name, **self.arguments(), **(layout.describe() if layout else {})}
+        and every JSON result: the resolved sizes first, then the arguments (a size that an
+        argument defaults, like BUZZ's w=0, shows its resolved value)."""
+        sizes = layout.describe() if layout else {}
+        return {"policy": self.name, **sizes,
+                **{k: v for k, v in self.arguments().items() if k not in sizes}}
 
     def wants_prompt_scores(self, layout: Layout) -> bool:
         return self.needs_prompt_scores and layout.evicts
