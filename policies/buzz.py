@@ -162,10 +162,9 @@ class Buzz(Policy):
                             f"(k={self.k}, w={w}, T={T}, slots={base.slots}); raise the budget "
                             "or lower --policy-arg k/w/T")
         # budget >= sequence: nothing is ever evicted and keys are cached like `full`
-        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-        fields["rope_in_cache"] = self.pos_shift and base.evicts
-        return BuzzLayout(**fields, k=self.k, w=w, T=T, s=s,
-                          prompt_maxima=self.prompt_sampling == "maxima")
+        return BuzzLayout(**{**dataclasses.asdict(base),
+                             "rope_in_cache": self.pos_shift and base.evicts},
+                          k=self.k, w=w, T=T, s=s, prompt_maxima=self.prompt_sampling == "maxima")
 
     # ------------------------------------------------------------------ hooks
     def prefill(self, buf: KVBuffer, k, v, pos, valid, scores=None) -> None:

@@ -113,9 +113,8 @@ class Cascade(Policy):
         w, rest = divmod(window, n)
         g = self.gamma if self.gamma >= 0 else (
             math.exp(-n * math.log(100) / window) if window else 0.0)
-        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-        return CascadeLayout(**fields, sinks=self.sinks, sizes=(w + rest,) + (w,) * (n - 1),
-                             gamma=g)
+        return CascadeLayout(**dataclasses.asdict(base), sinks=self.sinks,
+                             sizes=(w + rest,) + (w,) * (n - 1), gamma=g)
 
     # ------------------------------------------------------------------ prompt statistic
     def prompt_scores(self, layout, acc, p, first, valid):
@@ -152,7 +151,7 @@ class Cascade(Policy):
     def contents(self, buf, row: int = 0) -> list[list[int]]:
         """Positions held by each sub-cache C_1..C_N of one row, oldest first (for inspection)."""
         out, lay = [], buf.layout
-        for base, size, i in zip(lay.bases(), lay.sizes, range(len(lay.sizes))):
+        for i, (base, size) in enumerate(zip(lay.bases(), lay.sizes)):
             st, cn = (int(buf.policy_state[f][i, row]) for f in ("start", "count"))
             out.append([int(buf.pos[base + (st + k) % size, row]) for k in range(cn)])
         return out

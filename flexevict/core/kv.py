@@ -16,9 +16,9 @@ A policy that keeps more than `score` and `state` declares it (`Policy.fields`, 
 `Field`): the buffer allocates each declared tensor with the same allocator as K and V, and
 offloading (`flexevict.runtime.offload.load_into` / `store_into`) moves exactly the core
 tensors, the counters and the declared fields. The buffer's regions are its `Layout`, which the
-policy resolves once per run (`Policy.layout`) and never changes. Constants a policy derives from its arguments
-and the layer (HashEvict's projection) are not state: `constant` makes them once per buffer
-family and device, and they never travel.
+policy resolves once per run (`Policy.layout`) and which never changes. Constants a policy
+derives from its arguments and the layer (HashEvict's projection) are not state: `constant`
+makes them once per buffer family and device, and they never travel.
 """
 from __future__ import annotations
 
@@ -92,7 +92,6 @@ class KVBuffer:
         constants: a dict shared with the buffers that hold the same layer (see `constant`)."""
         n = layout.slots
         self.layout = layout
-        self.capacity = layout.capacity
         self.kv_heads = kv_heads  # rows = batch * kv_heads, row b * kv_heads + h
         self.layer = layer        # lets a policy keep per-layer constants (HashEvict's projection)
         self.head_dim, self.dtype = head_dim, dtype
@@ -120,6 +119,11 @@ class KVBuffer:
         if key not in self.constants:
             self.constants[key] = make(self.score.device)
         return self.constants[key]
+
+    @property
+    def capacity(self) -> int:
+        """Committed slots, `[0, capacity)`; the scratch slot is `capacity`."""
+        return self.layout.capacity
 
     @property
     def scratch(self) -> int:

@@ -192,15 +192,15 @@ class Ppl(Task):
                          "data": digest(list(self.docs.values()))}
 
     def run(self, llm, spec: PolicySpec) -> dict:
-        pol = spec.make()
-        return self.summary(stream_nll(llm.engine, list(self.docs.values()), pol), pol)
+        nll = stream_nll(llm.engine, list(self.docs.values()), spec.make())
+        return self.summary(nll, llm.engine.last_run.layout)
 
-    def summary(self, nll: torch.Tensor, pol) -> dict:
-        """nll (B, N-1) -> perplexity over all documents' tokens and per document."""
+    def summary(self, nll: torch.Tensor, layout) -> dict:
+        """nll (B, N-1) -> perplexity over all documents' tokens and per document; layout: the
+        run's (its slots are reported)."""
         mean = float(nll.double().mean())
         per_doc = {k: math.exp(float(row.double().mean())) for k, row in zip(self.docs, nll)}
-        slots = pol.layout(*self.lengths).slots
-        return {"ppl": math.exp(mean), "nll": mean, "per_doc": per_doc, "slots": slots,
+        return {"ppl": math.exp(mean), "nll": mean, "per_doc": per_doc, "slots": layout.slots,
                 "tokens": self.settings["tokens"]}
 
 
@@ -211,14 +211,14 @@ class AttentionLoss(Ppl):
     sizes = {"tokens": (256, 64)}
 
     def run(self, llm, spec: PolicySpec) -> dict:
-        pol = spec.make()
         with AttentionError(llm.engine.model, self.settings["tokens"]) as rec:
-            nll = stream_nll(llm.engine, list(self.docs.values()), pol)
-        if pol.layout(*self.lengths).evicts and not bool(rec.count.any()):
+            nll = stream_nll(llm.engine, list(self.docs.values()), spec.make())
+        layout = llm.engine.last_run.layout
+        if layout.evicts and not bool(rec.count.any()):
             raise RuntimeError("the attention hook saw no decode step: the engine no longer "
                                "calls Transformer.attention; update tasks.AttentionError")
         layers = rec.per_layer()                   # no eviction: no decode step, error 0
-        return {**self.summary(nll, pol), "attn_error": sum(layers) / len(layers),
+        return {**self.summary(nll, layout), "attn_error": sum(layers) / len(layers),
                 "per_layer": layers, "decode_steps": int(rec.count[0]) // len(self.docs)}
 
 
