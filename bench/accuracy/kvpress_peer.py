@@ -1,6 +1,6 @@
-"""kvpress 0.5.5 on the same model and prompts as the flexevict sweep (run with kvpress's venv).
+"""kvpress 0.5.5 on the same model and prompts as the flexevict sweep (run with the Python of a venv holding kvpress, KVPRESS_VENV below).
 
-    /work/kvpress-venv/bin/python bench/accuracy/kvpress_peer.py --inputs INPUTS.json --out OUT.json
+    KVPRESS_VENV/bin/python bench/accuracy/kvpress_peer.py --inputs INPUTS.json --out OUT.json
 
 INPUTS.json comes from `python bench/accuracy/peer.py export` (the sweep's passkey and agreement
 prompts as token ids, the slot count flexevict gives each budget, and the GGUF path). This script

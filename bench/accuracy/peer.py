@@ -1,7 +1,7 @@
 """flexevict vs kvpress on the same prompts: export the sweep's inputs, then score the peer.
 
     python bench/accuracy/peer.py export --out /tmp/peer_inputs.json
-    /work/kvpress-venv/bin/python bench/accuracy/kvpress_peer.py --inputs /tmp/peer_inputs.json \\
+    KVPRESS_VENV/bin/python bench/accuracy/kvpress_peer.py --inputs /tmp/peer_inputs.json \\
         --out bench/results/accuracy/kvpress_peer.json
     python bench/accuracy/peer.py compare --inputs /tmp/peer_inputs.json \\
         --peer bench/results/accuracy/kvpress_peer.json \\
