@@ -1,4 +1,5 @@
-"""kvpress 0.5.5 on the same model and prompts as the flexevict sweep (run with the Python of a venv holding kvpress, KVPRESS_VENV below).
+"""kvpress 0.5.5 on the same model and prompts as the flexevict sweep (run with the Python of a
+venv that holds kvpress, KVPRESS_VENV below).
 
     KVPRESS_VENV/bin/python bench/accuracy/kvpress_peer.py --inputs INPUTS.json --out OUT.json
 
