@@ -60,8 +60,7 @@ def parse_args(argv=None):
 
 
 def add_sweep_args(p):
-    from flexevict.evaluation.sweep import DEFAULT_BUDGETS, QUICK_BUDGETS
-    from flexevict.evaluation.tasks import TASKS
+    from flexevict.evaluation.sweep import DEFAULT_BUDGETS, QUICK_BUDGETS, TASKS
     p.add_argument("--out", required=True, help="folder for results.json, tables and plots")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {', '.join(TASKS)}")
     p.add_argument("--policies", default=None,
@@ -74,7 +73,12 @@ def add_sweep_args(p):
                         f"{','.join(map(str, QUICK_BUDGETS))})")
     p.add_argument("--text", default=None,
                    help="UTF-8 text file that replaces the packaged texts in every task")
+    p.add_argument("--task-arg", action="append", default=[], metavar="TASK:NAME=VALUE",
+                   help="a task's input size, e.g. ppl:tokens=8192, ppl:docs=2, "
+                        "retrieval:lengths=1024,2048 (repeatable)")
     p.add_argument("--quick", action="store_true", help="small inputs (CI: minutes, not an hour)")
+    p.add_argument("--report", action="store_true",
+                   help="run no cell: write the tables, claims and plots from the cells saved")
 
 
 def budget_label(args):
@@ -129,7 +133,7 @@ def run_passkey(args) -> dict:
     text = read_text(args.text) if args.text else None
     spec = policy_spec(args)
     llm = load_llm(args, progress=not args.json)
-    task = Passkey(llm, text, length=args.length, depths=depths, seed=args.seed)
+    task = Passkey(llm, text, length=args.length, depths=depths, repeats=1, seed=args.seed)
     result = task.run(llm, spec)
     print_resolved(llm.resolved)
     return {"model": llm.config.name, "policy": args.policy, "budget": budget_label(args),
@@ -143,13 +147,15 @@ def model_key(args, llm) -> str:
 
 
 def sweep_inputs(args) -> tuple:
-    """Check every sweep argument before the model loads -> (tasks, policies, budgets, text)."""
-    from flexevict.evaluation.sweep import DEFAULT_BUDGETS, QUICK_BUDGETS, parse_budgets, parse_policies
-    from flexevict.evaluation.tasks import parse_tasks
+    """Check every sweep argument before the model loads -> (tasks, task sizes, policies,
+    budgets, text)."""
+    from flexevict.evaluation.sweep import (DEFAULT_BUDGETS, QUICK_BUDGETS, parse_budgets,
+                                            parse_policies, parse_task_args, parse_tasks)
     if args.policy != "full" or args.budget is not None or args.budget_tokens is not None:
         raise UserError("sweep takes --policies and --budgets (lists), not --policy, --budget "
                         "or --budget-tokens")
     names = parse_tasks(args.tasks)
+    task_args = parse_task_args(args.task_arg, names)
     policies = parse_policies(args.policies, args.policy_arg)
     budgets = parse_budgets(args.budgets) if args.budgets else \
         list(QUICK_BUDGETS if args.quick else DEFAULT_BUDGETS)
@@ -161,18 +167,20 @@ def sweep_inputs(args) -> tuple:
     if missing:
         raise UserError(f"eval sweep needs {', '.join(missing)}, not installed; run: "
                         f"{SWEEP_INSTALL}")
-    return names, policies, budgets, text
+    return names, task_args, policies, budgets, text
 
 
 def run_sweep_cli(args) -> dict:
     from flexevict.evaluation import sweep_report as report
-    from flexevict.evaluation.sweep import run_sweep, select
-    from flexevict.evaluation.tasks import TASKS
-    names, policies, budgets, text = sweep_inputs(args)
+    from flexevict.evaluation.sweep import build_tasks, load_results, run_sweep, select
+    names, task_args, policies, budgets, text = sweep_inputs(args)
     llm = load_llm(args, progress=not args.json)
-    tasks = [TASKS[n](llm, text=text, quick=args.quick) for n in names]
+    tasks = build_tasks(names, llm, text, args.quick, task_args)
     model = model_key(args, llm)
-    data, ran, seconds = run_sweep(llm, model, tasks, policies, budgets, args.out)
+    if args.report:
+        data, ran, seconds = load_results(os.path.join(args.out, "results.json")), 0, 0.0
+    else:
+        data, ran, seconds = run_sweep(llm, model, tasks, policies, budgets, args.out)
     sel = select(data, model, tasks)
     write(os.path.join(args.out, "results.md"),
           report.tables(sel, tasks, sweep_note(model, tasks, args, data)))
@@ -224,7 +232,7 @@ def summary_line(task: str, r: dict) -> str:
     if task == "passkey":
         return (f"{r['model']} policy={r['policy']} slots={r['slots']} accuracy="
                 f"{r['accuracy']:.3f} digit_accuracy={r['digit_accuracy']:.3f} answers="
-                + ",".join(p["answer"] or "-" for p in r["per_depth"]))
+                + ",".join(p["answer"] or "-" for p in r["per_trial"]))
     return f"{r['model']}: {r['cells']} cells in {r['out']}: " + ", ".join(r["files"])
 
 

@@ -27,6 +27,11 @@ Decisions where the paper is silent or ambiguous:
   maxima on every pass (all middle tokens count as new each time).
 - Budget -> (k, w, T, s): the buffer holds the peak, k + w + T + 1 <= slots; defaults k = 4,
   s = 5; w and T split the rest in Theorem 3.1's ratio T/w (each settable by --policy-arg).
+- `budget_basis=average` reads the budget as the paper's Sec. 4.2.1 does, a share of the
+  *average* cache: the peak grows until the steady-state average, k + w + (a* + T) / 2 (App.
+  D.1's fixed point a*), reaches the tokens a constant-size policy (H2O) keeps at that budget.
+  Decision: the steady state, not a run's simulated average, so a budget means the same over a
+  512- and an 8k-token stream. Default `peak`: every policy gets the same buffer.
 - Positions: keys cached before RoPE and rotated by in-cache rank (`pos_shift=True`, the authors'
   code for every method); `pos_shift=false` keeps true positions.
 - The abstract's "log n time complexity" is not claimed: a pass is O(T) work.
@@ -75,6 +80,10 @@ class BuzzLayout(Layout):
         s = self.s
         return self.T * (s + 1) / (s * s + 1) if s % 2 else self.T / (s - 1)
 
+    def steady_tokens(self) -> float:
+        """Average cached tokens in the steady state: the middle saws between a* and T."""
+        return self.k + self.w + (self.a_star() + self.T) / 2
+
     def pass_counts(self, count: int, old: int) -> tuple[int, int]:
         """A row's (tokens, old tokens) after one pass, from the counts alone (`buzz_select`:
         the k sinks, the w window, every ŝ-th old token, one new token per chunk of s); a row
@@ -105,7 +114,7 @@ class BuzzLayout(Layout):
                 "s_hat": self.s_hat, "pos_shift": self.rope_in_cache,
                 "peak_tokens": self.k + self.w + self.T if self.evicts else max(sizes),
                 "avg_tokens": round(sum(decode) / len(decode), 2),
-                "steady_avg_tokens": round(self.k + self.w + (self.a_star() + self.T) / 2, 2),
+                "steady_avg_tokens": round(self.steady_tokens(), 2),
                 "a_star": round(self.a_star(), 2)}
 
 
@@ -118,6 +127,7 @@ class Buzz(Policy):
     s: int = 5                      # hive size
     pos_shift: bool = True
     prompt_sampling: str = "interval"   # Remark 2's repeated prefill passes: interval | maxima
+    budget_basis: str = "peak"      # the budget bounds the peak, or the average (Sec. 4.2.1)
     name = "buzz"
     needs_prompt_scores = True
     accumulates_attention = True
@@ -137,6 +147,12 @@ class Buzz(Policy):
             raise UserError(f"--policy-arg prompt_sampling={self.prompt_sampling}: expected "
                             "'interval' (survivors of a prefill pass are old tokens) or 'maxima' "
                             "(local maxima on every pass)")
+        if self.budget_basis not in ("peak", "average"):
+            raise UserError(f"--policy-arg budget_basis={self.budget_basis}: expected 'peak' "
+                            "(the buffer) or 'average' (the steady-state average cache)")
+        if self.budget_basis == "average" and (self.w or self.T):
+            raise UserError("--policy-arg budget_basis=average sizes w and T itself; leave w "
+                            "and T unset")
 
     # ------------------------------------------------------------------ sizing
     def fields(self, layout):
@@ -145,6 +161,22 @@ class Buzz(Policy):
 
     def minimum_slots(self) -> int:
         return self.k + max(self.w, 1) + (self.T or MIN_T) + 1
+
+    def slots_for(self, prompt_len: int, gen_len: int) -> int:
+        """The peak slots; with budget_basis=average the largest peak whose steady-state
+        average stays within the committed tokens (slots - 1) of the budget's buffer."""
+        slots, total = super().slots_for(prompt_len, gen_len), prompt_len + gen_len
+        if self.budget_basis == "peak" or slots >= total:
+            return slots
+        target = slots - 1
+        while slots < total and self._steady(slots + 1) <= target:
+            slots += 1
+        return slots
+
+    def _steady(self, slots: int) -> float:
+        room = slots - 1 - self.k
+        w = theorem_window(room, self.s)
+        return BuzzLayout(slots, k=self.k, w=w, T=room - w, s=self.s).steady_tokens()
 
     def layout(self, prompt_len: int, gen_len: int) -> BuzzLayout:
         base = super().layout(prompt_len, gen_len)

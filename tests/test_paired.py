@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from flexevict.evaluation.paired import FAILS, HOLDS, UNCLEAR, paired_difference
+from flexevict.evaluation.paired import FAILS, HOLDS, MIN_ITEMS, UNCLEAR, paired_difference
 
 
 def test_a_constant_improvement_holds_with_a_point_interval():
@@ -49,3 +49,12 @@ def test_seeded_and_checked():
         paired_difference([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="confidence"):
         paired_difference(a, b, confidence=1.5)
+
+
+def test_too_few_items_get_no_verdict():
+    """Two documents that agree perfectly still say nothing: the percentile bootstrap of two
+    values cannot see the spread it did not sample."""
+    d = paired_difference([2.0, 3.0], [1.0, 1.5])
+    assert d.low > 0 and d.verdict() == UNCLEAR
+    many = paired_difference([2.0, 3.0] * 5, [1.0, 1.5] * 5)
+    assert many.n == MIN_ITEMS and many.verdict() == HOLDS

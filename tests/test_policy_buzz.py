@@ -14,6 +14,8 @@ from flexevict.runtime.generation import Sampling, generate
 from flexevict.core.kv import KVBuffer
 from flexevict.policies import get_policy
 from flexevict.policies.full import Full
+from flexevict.policies import PolicySpec
+from flexevict.policies.buzz import BuzzLayout
 
 D = 4  # head dim of the hand-made buffers
 
@@ -485,3 +487,26 @@ def test_prompt_sampling_maxima_takes_local_maxima_on_every_pass(seed):
 def test_prompt_sampling_is_checked():
     with pytest.raises(UserError, match="prompt_sampling=every"):
         get_policy("buzz", budget=0.5, prompt_sampling="every")
+
+
+@pytest.mark.parametrize("budget", [0.05, 0.1, 0.2, 0.4])
+def test_average_budget_basis_matches_the_constant_policys_tokens(budget):
+    """budget_basis=average (Sec. 4.2.1): the largest peak whose steady-state average cache,
+    k + w + (a* + T) / 2, stays within the tokens H2O keeps at the same budget."""
+    from flexevict.policies.buzz import theorem_window
+    h2o = PolicySpec("h2o", budget).make().layout(2047, 1)
+    avg = PolicySpec("buzz", budget, args=(("budget_basis", "average"),)).make()
+    lay = avg.layout(2047, 1)
+    assert lay.slots > h2o.slots and lay.steady_tokens() <= h2o.capacity
+    room = lay.slots - lay.k                       # one slot more breaks the average
+    w = theorem_window(room, lay.s)
+    over = BuzzLayout(lay.slots + 1, k=lay.k, w=w, T=room - w, s=lay.s)
+    assert over.steady_tokens() > h2o.capacity
+    assert PolicySpec("buzz", budget).make().layout(2047, 1).slots == h2o.slots   # peak basis
+
+
+def test_average_budget_basis_is_checked():
+    with pytest.raises(UserError, match="budget_basis=mean: expected 'peak'"):
+        PolicySpec("buzz", 0.2, args=(("budget_basis", "mean"),)).make()
+    with pytest.raises(UserError, match="leave w and T unset"):
+        PolicySpec("buzz", 0.2, args=(("budget_basis", "average"), ("w", "8"))).make()

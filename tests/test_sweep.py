@@ -50,15 +50,21 @@ def quick(tmp_path_factory, smollm2_path):
 def test_quick_sweep_writes_results_tables_claims_and_plots(quick):
     c = cells(quick)
     evicting = [p for p in POLICIES if p != "full"]
-    for task in ("ppl", "agreement", "passkey", "attention-loss"):
+    items = {"ppl": ("nll", 2), "agreement": ("rouge_l", 2), "passkey": ("accuracy", 2),
+             "retrieval": ("accuracy", 4)}                      # quick: 2 docs, prompts, ...
+    for task in ("ppl", "agreement", "passkey", "attention-loss", "retrieval"):
         assert (task, "full", 1.0) in c                          # the reference, always run
         assert all((task, p, 0.2) in c for p in evicting)
+        if task in items:                                        # the paired units, per cell
+            name, n = items[task]
+            assert all(len(c[(task, p, 0.2)]["metrics"]["items"][name]) == n
+                       for p in evicting if "skipped" not in c[(task, p, 0.2)]["metrics"])
     md = open(os.path.join(quick, "results.md")).read()
     assert all(f"`{p}`" in md for p in POLICIES)
     claims = open(os.path.join(quick, "claims.md")).read()
     for paper in ("H2O", "BUZZ", "Cascade", "HashEvict", "VATP"):
         assert f"| {paper} |" in claims
-    for name in ("ppl_ppl", "agreement_rouge_l", "passkey_accuracy",
+    for name in ("ppl_ppl", "agreement_rouge_l", "passkey_accuracy", "retrieval_accuracy",
                  "attention-loss_attn_error", "attention-loss_per_layer"):
         with open(os.path.join(quick, name + ".png"), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -106,7 +112,7 @@ def test_attention_error_measures_eviction(quick):
 def test_rerun_skips_finished_cells_and_resumes_a_missing_one(quick, capsys):
     before = cells(quick)
     r = sweep(capsys, "--quick", "--out", quick)
-    assert "52 cells, 52 already done, 0 to run" in r["stderr"] and r["cells_run"] == 0
+    assert "65 cells, 65 already done, 0 to run" in r["stderr"] and r["cells_run"] == 0
     assert cells(quick) == before
     path = os.path.join(quick, "results.json")                    # lose one finished cell
     with open(path) as f:
@@ -117,7 +123,7 @@ def test_rerun_skips_finished_cells_and_resumes_a_missing_one(quick, capsys):
     with open(path, "w") as f:
         json.dump(data, f)
     r = sweep(capsys, "--quick", "--out", quick)
-    assert "51 already done, 1 to run" in r["stderr"] and r["cells_run"] == 1
+    assert "64 already done, 1 to run" in r["stderr"] and r["cells_run"] == 1
     after = cells(quick)
     assert after[("passkey", "h2o", 0.2)]["metrics"] == before[("passkey", "h2o", 0.2)]["metrics"]
     assert all(after[k]["finished"] == v["finished"] for k, v in before.items()
@@ -132,7 +138,7 @@ def test_text_override_replaces_the_packaged_texts(tmp_path, capsys, smollm2_pat
     sweep(capsys, "--quick", "--out", out, "--text", str(text), "--tasks", "ppl,passkey",
           "--policies", "full,h2o,local", "--budgets", "0.5,1.0")
     c = cells(out)
-    assert c[("ppl", "full", 1.0)]["settings"]["docs"] == ["text"]
+    assert c[("ppl", "full", 1.0)]["settings"]["docs"] == ["text-1", "text-2"]
     assert c[("passkey", "full", 1.0)]["settings"]["filler"] == "text"
     # a budget that holds the whole stream evicts nothing: identical to `full`
     assert c[("ppl", "h2o", 1.0)]["metrics"]["ppl"] == c[("ppl", "full", 1.0)]["metrics"]["ppl"]
@@ -168,6 +174,10 @@ def test_stream_nll_batch_equals_each_document_alone(engine_smollm2):
     (["--policies", "h2o,h2o"], "names a label twice"),
     (["--policies", "h2o@"], "empty tag"),
     (["--policies", "lru@x"], "unknown policy 'lru'"),
+    (["--tasks", "agreement", "--task-arg", "ppl:tokens=8192"], "'ppl' is not in --tasks"),
+    (["--tasks", "ppl", "--task-arg", "ppl=8192"], "it must look like task:name=value"),
+    (["--tasks", "ppl", "--task-arg", "ppl:length=8192"], "task 'ppl' has no size 'length'"),
+    (["--tasks", "ppl", "--task-arg", "ppl:tokens=1,2"], "that size takes one value"),
 ])
 def test_bad_input_is_one_line_error(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -183,7 +193,7 @@ def test_passkey_cli_retrieves_with_the_full_cache(capsys, smollm2_path):
     main(["passkey", "--length", "160", "--depths", "0.3,0.7", "--json"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["policy"] == "full" and r["accuracy"] == 1.0
-    assert [p["answer"] for p in r["per_depth"]] == r["keys"]
+    assert [p["answer"] for p in r["per_trial"]] == r["keys"]
 
 
 def test_passkey_cli_rejects_bad_depths(capsys):

@@ -34,7 +34,9 @@ def export(out: str) -> None:
     gguf = smollm2_gguf()
     llm = SimpleNamespace(tokenizer=load_tokenizer(gguf))   # the tasks only tokenize
     tasks = {}
-    for task in (Passkey(llm), Agreement(llm)):
+    # the committed comparison's inputs: the sweep's sizes when it was run (5 depths, 8 prompts)
+    for task in (Passkey(llm, depths=(0.1, 0.3, 0.5, 0.7, 0.9), repeats=1),
+                 Agreement(llm, prompts=8)):
         slots = {}
         for b in BUDGETS:
             slots[str(b)] = PolicySpec("h2o", budget=b).make().layout(*task.lengths).slots
@@ -74,7 +76,7 @@ def harness_check(tok, task: str, ref: list, cells: dict) -> str:
         return "flexevict full cell missing"
     theirs = [tok.decode(ids) for ids in ref]
     if task == "passkey":
-        ours, theirs = [p["answer"] for p in full["per_depth"]], map(passkey_answer, theirs)
+        ours, theirs = [p["answer"] for p in full["per_trial"]], map(passkey_answer, theirs)
     else:
         ours = full["completions"]
     same = sum(a == b for a, b in zip(ours, list(theirs)))
@@ -97,7 +99,7 @@ def comparison(inputs: dict, peer: dict, sweep: str) -> tuple[list, dict]:
             theirs = score(tok, task, spec, r["outputs"], ref)
             same = None
             if task == "passkey" and cell:           # answer by answer, not just the rate
-                same = sum(a == p["answer"] for a, p in zip(theirs["answers"], cell["per_depth"]))
+                same = sum(a == p["answer"] for a, p in zip(theirs["answers"], cell["per_trial"]))
             rows.append({"task": task, "metric": metric, "budget": r["budget"],
                          "slots": r["slots"], "press": r["press"], "kvpress": theirs[metric],
                          "policy": PAIRS[r["press"]], "flexevict": cell.get(metric),

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 HOLDS, FAILS, UNCLEAR = "holds", "does not hold", "not distinguishable at this sample size"
+# Below this many items no verdict is given: a percentile bootstrap resamples only a handful of
+# values and its interval is far narrower than the truth (it cannot see the unsampled spread).
+MIN_ITEMS = 10
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class PairedDifference:
     def verdict(self, margin: float = 0.0) -> str:
         """The claim "A is better than B by more than -margin": margin 0 is "A is better";
         margin m > 0 is "A is no worse than B by more than m" (non-inferiority)."""
+        if self.n < MIN_ITEMS:
+            return UNCLEAR
         if self.low > -margin:
             return HOLDS
         if self.high < -margin:

@@ -269,7 +269,7 @@ class Retrieval(Task):
     def run(self, llm, spec: PolicySpec) -> dict:
         """Greedy answers, one generate call per target length (prompts of about one length
         share batches) -> {"accuracy", "per_kind": {kind: {length: mean}}, "slots" (at the
-        longest length), "slots_per_length", "per_sample"}."""
+        longest length), "slots_per_length", "per_length", "per_sample", "items"}."""
         completions: list[str] = [""] * len(self.samples)
         slots = {}
         for length in sorted(set(self.targets)):
@@ -285,5 +285,9 @@ class Retrieval(Task):
         for p in per:
             per_kind.setdefault(p["kind"], {}).setdefault(p["length"], []).append(p["score"])
         per_kind = {k: {t: sum(v) / len(v) for t, v in d.items()} for k, d in per_kind.items()}
+        per_length = {t: sum(p["score"] for p in per if p["length"] == t) /
+                      sum(p["length"] == t for p in per) for t in slots}
         return {"accuracy": sum(p["score"] for p in per) / len(per), "per_kind": per_kind,
-                "slots": slots[max(slots)], "slots_per_length": slots, "per_sample": per}
+                "per_length": per_length, "slots": slots[max(slots)],
+                "slots_per_length": slots, "per_sample": per,
+                "items": {"accuracy": [p["score"] for p in per]}}

@@ -18,11 +18,14 @@ import sys
 import time
 
 from flexevict.errors import UserError
+from flexevict.evaluation.retrieval import Retrieval
+from flexevict.evaluation.tasks import Agreement, AttentionLoss, Passkey, Ppl
 from flexevict.policies import POLICIES, PolicySpec
 from flexevict.runtime.machine import run_metadata
 from flexevict.runtime.progress import Progress
 
 DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.4, 0.6, 1.0)
+TASKS = {t.name: t for t in (Ppl, Agreement, Passkey, AttentionLoss, Retrieval)}
 QUICK_BUDGETS = (0.2,)           # `full`, the reference, always runs (at 1.0)
 
 
@@ -39,6 +42,54 @@ def parse_budgets(spec: str) -> list[float]:
             raise UserError(f"--budgets: {b} is outside (0, 1]")
         out.append(b)
     return sorted(set(out))
+
+
+def parse_tasks(spec: str) -> list[str]:
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in TASKS]
+    if unknown or not names:
+        raise UserError(f"unknown task '{','.join(unknown) or spec}'; known tasks: "
+                        f"{', '.join(TASKS)}")
+    return names
+
+
+def parse_task_args(items, names: list[str]) -> dict[str, dict]:
+    """['ppl:tokens=8192', 'retrieval:lengths=1024,2048'] -> {task: {size: value}}: a task's
+    input sizes (its `sizes`), numbers or comma lists; checked before the model loads."""
+    out: dict[str, dict] = {}
+    for item in items or ():
+        task, colon, pair = item.partition(":")
+        name, eq, text = pair.partition("=")
+        if not colon or not eq or not text:
+            raise UserError(f"--task-arg '{item}': it must look like task:name=value (e.g. "
+                            "ppl:tokens=8192)")
+        if task not in names:
+            raise UserError(f"--task-arg '{item}': '{task}' is not in --tasks ({', '.join(names)})")
+        known = TASKS[task].sizes
+        if name not in known:
+            raise UserError(f"--task-arg '{item}': task '{task}' has no size '{name}'; known: "
+                            f"{', '.join(known)}")
+        values = tuple(_number(v, item) for v in text.split(","))
+        out.setdefault(task, {})[name] = values if isinstance(known[name][0], tuple) else \
+            values[0] if len(values) == 1 else _list_error(item)
+    return out
+
+
+def _number(text: str, item: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()                        # retrieval kinds are names
+
+
+def _list_error(item: str):
+    raise UserError(f"--task-arg '{item}': that size takes one value")
+
+
+def build_tasks(names: list[str], llm, text: str | None, quick: bool, task_args: dict) -> list:
+    return [TASKS[n](llm, text=text, quick=quick, **task_args.get(n, {})) for n in names]
 
 
 def policy_name(label: str) -> str:

