@@ -69,23 +69,23 @@ def parse_task_args(items, names: list[str]) -> dict[str, dict]:
         if name not in known:
             raise UserError(f"--task-arg '{item}': task '{task}' has no size '{name}'; known: "
                             f"{', '.join(known)}")
-        values = tuple(_number(v, item) for v in text.split(","))
-        out.setdefault(task, {})[name] = values if isinstance(known[name][0], tuple) else \
-            values[0] if len(values) == 1 else _list_error(item)
+        values = tuple(_number(v) for v in text.split(","))
+        if isinstance(known[name][0], tuple):      # a list size (depths, lengths, kinds)
+            out.setdefault(task, {})[name] = values
+        elif len(values) == 1:
+            out.setdefault(task, {})[name] = values[0]
+        else:
+            raise UserError(f"--task-arg '{item}': that size takes one value")
     return out
 
 
-def _number(text: str, item: str):
+def _number(text: str):
     for kind in (int, float):
         try:
             return kind(text)
         except ValueError:
             pass
     return text.strip()                        # retrieval kinds are names
-
-
-def _list_error(item: str):
-    raise UserError(f"--task-arg '{item}': that size takes one value")
 
 
 def build_tasks(names: list[str], llm, text: str | None, quick: bool, task_args: dict) -> list:

@@ -86,9 +86,9 @@ def digest(data) -> str:
 
 class AttentionError:
     """While active, every attention call of `model` (a Transformer) also runs a full-cache
-    attention on the same input and accumulates, per layer and decode step,
-    ||out - full|| / ||full|| per sequence (all heads of the layer's output together);
-    `per_step()` gives it per (decode step, sequence), averaged over layers.
+    attention on the same input and records, per layer and decode step,
+    ||out - full|| / ||full|| per sequence (all heads of the layer's output together):
+    `per_layer()` averages it over steps and sequences, `per_step()` over layers.
 
     The policy's run drives the stream (its output goes on); the shadow sees the same layer
     inputs, so the error is what eviction costs at that layer given the run so far. It wraps
@@ -100,9 +100,6 @@ class AttentionError:
         self.model, self.capacity = model, capacity        # capacity: tokens of the stream
         self.full = PolicySpec("full").make()
         self.full_layout = self.full.layout(capacity, 1)   # a slot for each stream token
-        n = model.config.num_layers
-        self.sum = torch.zeros(n, dtype=torch.float64)
-        self.count = torch.zeros(n, dtype=torch.long)
         self.errors: dict[int, list[torch.Tensor]] = {}    # layer -> each call's (b,) errors
         self.shadows: dict[int, list[KVBuffer]] = {}
         self.turn: dict[int, int] = {}
@@ -133,13 +130,13 @@ class AttentionError:
         ref = self.orig(x, w, inp, self._shadow(x, buf), self.full)   # untimed: not eviction
         if x.dim() == 2:                                    # decode: out, ref (B, H * d)
             err = (out - ref).float().norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-30)
-            self.sum[buf.layer] += err.double().sum().cpu()
-            self.count[buf.layer] += err.numel()
             self.errors.setdefault(buf.layer, []).append(err.double().cpu())
         return out
 
     def per_layer(self) -> list[float]:
-        return (self.sum / self.count.clamp_min(1)).tolist()
+        """Each layer's mean error (0 for a layer that saw no decode step)."""
+        return [float(torch.cat(self.errors[j]).mean()) if j in self.errors else 0.0
+                for j in range(self.model.config.num_layers)]
 
     def per_step(self) -> torch.Tensor:
         """(steps, B): each decode step's error per sequence, averaged over layers (a layer's
@@ -247,7 +244,7 @@ class AttentionLoss(Ppl):
         with AttentionError(llm.engine.model, self.settings["tokens"]) as rec:
             nll = stream_nll(llm.engine, list(self.docs.values()), spec.make())
         layout = llm.engine.last_run.layout
-        if layout.evicts and not bool(rec.count.any()):
+        if layout.evicts and not rec.errors:
             raise RuntimeError("the attention hook saw no decode step: the engine no longer "
                                "calls Transformer.attention; update tasks.AttentionError")
         layers = rec.per_layer()                   # no eviction: no decode step, error 0
