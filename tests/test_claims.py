@@ -64,6 +64,7 @@ def test_claims_markdown_states_setting_statistic_and_verdict():
     rows = report.claim_cascade(sel)
     md = report.claims_markdown(rows)
     assert "| Cascade | cascade lower streaming ppl" in md and "**holds**" in md
+    assert "PG19 streaming perplexity" in md              # the paper's setting beside ours
     assert "20% " in md and "n=32: holds" in md
     assert rows[1]["verdict"] == "not measured"           # no cascade@eager cell
 
