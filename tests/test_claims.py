@@ -59,6 +59,22 @@ def test_hashevict_seeds_are_averaged_item_by_item():
     assert close["verdict"] == HOLDS                       # 3% is within the 5% margin
 
 
+def test_vatp_is_tallied_over_cells_and_its_paper_setting_is_separate():
+    rng = np.random.default_rng(1)
+
+    def noise():                                          # a tie: noise only
+        return rng.normal(0, 0.05, 32)
+
+    sel = {("ppl", "h2o", b): cell(BASE + noise()) for b in (0.05, 0.1, 0.2)}
+    sel |= {("ppl", "vatp", 0.05): cell(BASE - 0.3), ("ppl", "vatp", 0.1): cell(BASE - 0.3),
+            ("ppl", "vatp", 0.2): cell(BASE + noise())}   # better, better, tie
+    sel |= {("ppl", "vatp@F20", b): cell(BASE + 0.4) for b in (0.05, 0.1, 0.2)}   # worse
+    scaled, paper_f, _, _ = report.claim_vatp(sel)
+    assert "2 better, 0 worse, 1 not distinguishable" in scaled["ours"]
+    assert scaled["verdict"] == HOLDS
+    assert paper_f["verdict"] == FAILS and "sinks=20" in paper_f["claim"]
+
+
 def test_claims_markdown_states_setting_statistic_and_verdict():
     sel = {("ppl", "cascade", 0.2): cell(BASE + 0.1), ("ppl", "streaming", 0.2): cell(BASE + 0.2)}
     rows = report.claim_cascade(sel)

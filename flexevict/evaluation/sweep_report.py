@@ -318,6 +318,8 @@ def claim_vatp(sel: dict) -> list[dict]:
     """Over (task, budget) cells: holds when more cells hold than fail ("most tasks")."""
     out = []
     for a, b, text in (("vatp", "h2o", "VATP better than its base (h2o) on most tasks and budgets"),
+                       ("vatp@F20", "h2o", "the same with the paper's F = 20 pinned tokens "
+                                           "(vatp@F20: sinks=20)"),
                        ("vatp-pin", "h2o", "pinning only (vatp-pin) vs h2o: the sink effect"),
                        ("vatp", "vatp-pin", "value norm on top of pinning (vatp vs vatp-pin)")):
         rows = [r for tm in (PPL, ROUGE, PASSKEY, ATTN) for bud in evicting(sel, tm[0])
