@@ -123,7 +123,8 @@ def plot_metric(sel: dict, task: str, metric: str, label: str, title: str, path:
         axes[0][1].set_ylim(full * 0.98, full * 1.5)
         axes[0][1].set_title("zoom: within 50% of full", fontsize=9)
     axes[0][0].set_title(title, fontsize=10)
-    axes[0][-1].legend(fontsize=7, ncol=2)
+    if axes[0][-1].get_legend_handles_labels()[0]:      # none while too few cells are done
+        axes[0][-1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
