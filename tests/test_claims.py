@@ -123,3 +123,16 @@ def test_task_sizes_from_the_command_line():
                            "retrieval:kinds=vt"], ["ppl", "retrieval"])
     assert got == {"ppl": {"tokens": 8192, "docs": 2},
                    "retrieval": {"lengths": (1024, 2048), "kinds": ("vt",)}}
+
+
+def test_retrieval_breakdown_puts_full_beside_every_policy():
+    sel = {("retrieval", "h2o", 0.2): {"per_length": {"1024": 0.5, "2048": 0.25},
+                                       "per_kind": {"vt": {"1024": 0.0, "2048": 0.5}}},
+           ("retrieval", "full", 1.0): {"per_length": {"1024": 1.0, "2048": 0.75},
+                                        "per_kind": {"vt": {"1024": 1.0, "2048": 0.5}}}}
+    md = report.breakdown_table(sel, "retrieval", "per_length", "by length").splitlines()
+    assert md[2] == "| policy | budget | 1024 | 2048 |"
+    assert md[4:] == ["| `full` | 100% | 1.000 | 0.750 |", "| `h2o` | 20% | 0.500 | 0.250 |"]
+    by_kind = report.breakdown_table(sel, "retrieval", "per_kind", "by kind")
+    assert "| `full` | 100% | 0.750 |" in by_kind and "| `h2o` | 20% | 0.250 |" in by_kind
+    assert report.breakdown_table(sel, "ppl", "per_length", "x") == ""

@@ -247,6 +247,8 @@ class Retrieval(Task):
     `score`; `accuracy` is the mean over all samples."""
     name = "retrieval"
     metrics = {"accuracy": ("retrieval accuracy (answers found)", False)}
+    breakdowns = {"per_length": "retrieval accuracy by prompt length (tokens)",
+                  "per_kind": "retrieval accuracy by kind (mean over lengths)"}
     sizes = {"lengths": ((1024, 2048, 4096), (256,)), "kinds": (KINDS, KINDS), "n": (4, 1)}
 
     def __init__(self, llm, text: str | None = None, quick: bool = False, lengths=None,

@@ -66,12 +66,32 @@ def cell_text(sel: dict, task: str, metric: str, policy: str, budget: float) -> 
     return fmt(metric, None if m is None else m.get(metric))
 
 
+def breakdown_table(sel: dict, task: str, key: str, label: str) -> str:
+    """One row per (policy, budget) with its `key` scores ({column: score}; a nested
+    {column: {...: score}} is averaged), `full` first: what the model itself can do in each
+    column beside what each policy keeps of it."""
+    rows = [(p, b, {c: v if isinstance(v, (int, float)) else sum(v.values()) / len(v)
+                    for c, v in sel[(task, p, b)][key].items()})
+            for p in dict.fromkeys(["full", *policy_order(sel)]) for b in budgets_of(sel, task)
+            if key in sel.get((task, p, b), {}) and (p != "full" or b == 1.0)]
+    if not rows:
+        return ""
+    columns = list(dict.fromkeys(c for _, _, r in rows for c in r))
+    lines = [f"**{task}: {label}** (higher is better)", "",
+             "| policy | budget | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+    lines += [f"| `{p}` | {b:.0%} | " + " | ".join(fmt("", r.get(c)) for c in columns) + " |"
+              for p, b, r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def tables(sel: dict, tasks: list, settings_note: str) -> str:
     parts = [f"# Accuracy sweep\n\n{settings_note}\n\n`–`: not run; `below min`: the "
              "budget gives fewer slots than the policy's minimum (its sinks + window).\n"]
     for t in tasks:
         for metric, (label, _) in t.metrics.items():
             parts.append(table(sel, t, metric, label))
+        parts += [x for key, label in t.breakdowns.items()
+                  if (x := breakdown_table(sel, t.name, key, label))]
     return "\n".join(parts)
 
 

@@ -165,9 +165,11 @@ class Task:
 
     `metrics`: result key -> (label, lower is better); the first one is the headline.
     `settings`: what identifies the inputs (sizes and a content digest), part of a cell's key.
+    `breakdowns`: result key ({column: score}) -> label, tabled per policy beside `full`.
     """
     name = ""
     metrics: dict = {}
+    breakdowns: dict = {}
     sizes: dict = {}                       # default sizes, and `quick` ones for CI
 
     lengths = (0, 0)                       # (prompt, generated) tokens a budget is a share of
