@@ -126,7 +126,7 @@ def test_task_sizes_from_the_command_line():
 
 
 def test_retrieval_breakdown_puts_full_beside_every_policy():
-    sel = {("retrieval", "h2o", 0.2): {"per_length": {"1024": 0.5, "2048": 0.25},
+    sel = {("retrieval", "h2o", 0.2): {"per_length": {1024: 0.5, 2048: 0.25},   # fresh: ints
                                        "per_kind": {"vt": {"1024": 0.0, "2048": 0.5}}},
            ("retrieval", "full", 1.0): {"per_length": {"1024": 1.0, "2048": 0.75},
                                         "per_kind": {"vt": {"1024": 1.0, "2048": 0.5}}}}

@@ -69,8 +69,8 @@ def cell_text(sel: dict, task: str, metric: str, policy: str, budget: float) -> 
 def breakdown_table(sel: dict, task: str, key: str, label: str) -> str:
     """One row per (policy, budget) with its `key` scores ({column: score}; a nested
     {column: {...: score}} is averaged), `full` first: what the model itself can do in each
-    column beside what each policy keeps of it."""
-    rows = [(p, b, {c: v if isinstance(v, (int, float)) else sum(v.values()) / len(v)
+    column beside what each policy keeps of it. Columns are strings, as JSON stores them."""
+    rows = [(p, b, {str(c): v if isinstance(v, (int, float)) else sum(v.values()) / len(v)
                     for c, v in sel[(task, p, b)][key].items()})
             for p in dict.fromkeys(["full", *policy_order(sel)]) for b in budgets_of(sel, task)
             if key in sel.get((task, p, b), {}) and (p != "full" or b == 1.0)]
