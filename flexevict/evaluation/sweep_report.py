@@ -78,7 +78,8 @@ def breakdown_table(sel: dict, task: str, key: str, label: str) -> str:
         return ""
     columns = list(dict.fromkeys(c for _, _, r in rows for c in r))
     lines = [f"**{task}: {label}** (higher is better)", "",
-             "| policy | budget | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+             "| policy | budget | " + " | ".join(columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
     lines += [f"| `{p}` | {b:.0%} | " + " | ".join(fmt("", r.get(c)) for c in columns) + " |"
               for p, b, r in rows]
     return "\n".join(lines) + "\n"
