@@ -70,17 +70,20 @@ def breakdown_table(sel: dict, task: str, key: str, label: str) -> str:
     """One row per (policy, budget) with its `key` scores ({column: score}; a nested
     {column: {...: score}} is averaged), `full` first: what the model itself can do in each
     column beside what each policy keeps of it. Columns are strings, as JSON stores them."""
-    rows = [(p, b, {str(c): v if isinstance(v, (int, float)) else sum(v.values()) / len(v)
-                    for c, v in sel[(task, p, b)][key].items()})
-            for p in dict.fromkeys(["full", *policy_order(sel)]) for b in budgets_of(sel, task)
-            if key in sel.get((task, p, b), {}) and (p != "full" or b == 1.0)]
+    rows = []
+    for p in dict.fromkeys(["full", *policy_order(sel)]):
+        for b in budgets_of(sel, task):
+            scores = sel.get((task, p, b), {}).get(key)
+            if scores is not None:
+                rows.append((p, b, {str(c): v if isinstance(v, (int, float))
+                                    else sum(v.values()) / len(v) for c, v in scores.items()}))
     if not rows:
         return ""
     columns = list(dict.fromkeys(c for _, _, r in rows for c in r))
     lines = [f"**{task}: {label}** (higher is better)", "",
              "| policy | budget | " + " | ".join(columns) + " |",
              "|---|---|" + "---|" * len(columns)]
-    lines += [f"| `{p}` | {b:.0%} | " + " | ".join(fmt("", r.get(c)) for c in columns) + " |"
+    lines += [f"| `{p}` | {b:.0%} | " + " | ".join(fmt(key, r.get(c)) for c in columns) + " |"
               for p, b, r in rows]
     return "\n".join(lines) + "\n"
 
