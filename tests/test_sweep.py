@@ -227,6 +227,67 @@ def test_a_sweep_run_records_the_shared_run_metadata(tmp_path):
     assert ran == 1 and data["runs"][0]["machine"] == run_metadata("cpu")
 
 
+class _FakeTask:
+    """A task whose cells cost nothing; `during_run` stands in for another sweep's writes."""
+    name, settings = "fake", {}
+
+    def __init__(self, during_run=None):
+        self.during_run = during_run
+
+    def slots_check(self, spec):
+        return None
+
+    def run(self, llm, spec):
+        if self.during_run:
+            self.during_run()
+        return {"score": spec.budget}
+
+
+def test_two_sweeps_into_one_folder_merge_their_cells_and_skip_each_others(tmp_path):
+    """While this sweep runs its first cell, another writes its own cell and the cell this
+    sweep would run next: both survive in the file, and that cell is not run twice."""
+    from types import SimpleNamespace
+    from flexevict.evaluation.sweep import cell_key, load_results, record, run_sweep
+    path = str(tmp_path / "results.json")
+    other = _FakeTask()
+    theirs = {cell_key("m", other, "h2o", (), b): {"metrics": {"by": "other"}}
+              for b in (0.5, 0.9)}                  # 0.9: only the other sweep plans it
+
+    def other_sweep_writes():
+        if len(load_results(path)["cells"]) == 0:
+            record(path, cells=theirs)
+    llm = SimpleNamespace(device=torch.device("cpu"))
+    data, ran, _ = run_sweep(llm, "m", [_FakeTask(other_sweep_writes)], {"h2o": ()},
+                             [0.2, 0.5], str(tmp_path), progress=False)
+    assert ran == 1 and data["runs"][-1]["cells"] == 1
+    by_budget = {c.get("budget", "theirs"): c for c in load_results(path)["cells"].values()}
+    assert len(load_results(path)["cells"]) == 3
+    assert by_budget[0.2]["metrics"] == {"score": 0.2}
+    assert list(tmp_path.iterdir()) == [tmp_path / "results.json"]     # no lock or temp file
+
+
+def _record_many(path, tag, n):
+    from flexevict.evaluation.sweep import record
+    for i in range(n):
+        record(path, cells={f"{tag}{i}": {}})
+
+
+def test_concurrent_writers_lose_no_cell(tmp_path):
+    """Two processes each add 40 cells one at a time; the lock makes every write see the
+    other's, so all 80 are in the file."""
+    import multiprocessing
+    from flexevict.evaluation.sweep import load_results
+    path = str(tmp_path / "results.json")
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_record_many, args=(path, tag, 40)) for tag in "ab"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert len(load_results(path)["cells"]) == 80
+
+
 def test_a_policy_swept_again_under_a_label_with_its_own_arguments(quick, capsys):
     """`cascade@eager` is `cascade` with eager_fill: its own cells, keyed by label and
     arguments, next to the untagged policy's (already run, so not rerun)."""

@@ -11,7 +11,9 @@ that matches this run's model and task settings.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
 import os
 import sys
@@ -166,12 +168,37 @@ def save_results(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _locked(directory: str):
+    """Hold an exclusive lock on the results directory (released when the process dies, and no
+    lock file is left behind): sweeps sharing one --out take turns at reading and writing."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def record(path: str, cells: dict | None = None, run: dict | None = None) -> dict:
+    """Add cells ({key: cell}) and/or one run record to the results file, merged with what other
+    sweeps into the same directory wrote meanwhile; -> the file's contents after the write."""
+    with _locked(os.path.dirname(path)):
+        data = load_results(path)
+        data["cells"].update(cells or {})
+        if run:
+            data["runs"].append(run)
+        save_results(path, data)
+    return data
+
+
 # ------------------------------------------------------------------------------ running
 
 def run_sweep(llm, model: str, tasks: list, policies: dict[str, tuple], budgets: list[float],
               out: str, progress: bool = True) -> tuple[dict, int, float]:
     """Run every missing cell, saving after each; -> (the results file's contents, cells run,
-    wall seconds spent on them).
+    wall seconds spent on them). Sweeps may share one `out` (say, one per device, each with its
+    own --policies or --tasks): each merges its cells into the file and skips any another ran.
 
     tasks: built `tasks.Task` objects (their inputs fixed); model: the name cells are keyed by;
     policies: {label: arguments} (`parse_policies`).
@@ -184,30 +211,33 @@ def run_sweep(llm, model: str, tasks: list, policies: dict[str, tuple], budgets:
     print(f"sweep: {len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run"
           f" -> {path}", file=sys.stderr)
     bar = Progress(len(todo), "sweep", "cell", enabled=progress)
-    t_start = time.perf_counter()
+    t_start, ran = time.perf_counter(), 0
     for task, label, args, budget in todo:
+        key = cell_key(model, task, label, args, budget)
+        if key in load_results(path)["cells"]:     # another sweep into this --out ran it
+            bar.update(1)
+            continue
         t0 = time.perf_counter()
         spec = policy_at(label, budget, args)
         why = task.slots_check(spec)      # a budget below the policy's minimum: a skipped cell
         metrics = {"skipped": why} if why else task.run(llm, spec)
-        data["cells"][cell_key(model, task, label, args, budget)] = {
+        data = record(path, cells={key: {
             "model": model, "task": task.name, "policy": label, "args": dict(args),
             "budget": budget,
             "settings": task.settings, "metrics": metrics,
             "seconds": round(time.perf_counter() - t0, 2),
-            "finished": datetime.datetime.now().isoformat(timespec="seconds")}
-        save_results(path, data)
+            "finished": datetime.datetime.now().isoformat(timespec="seconds")}})
+        ran += 1
         bar.update(1)
     bar.close()
     seconds = round(time.perf_counter() - t_start, 1)
-    if todo:
-        data["runs"].append({"cells": len(todo), "seconds": seconds,
-                             "tasks": [t.name for t in tasks],
-                             "policies": {k: dict(v) for k, v in policies.items()},
-                             "budgets": budgets,
-                             "machine": run_metadata(llm.device)})
-        save_results(path, data)
-    return data, len(todo), seconds
+    if ran:
+        data = record(path, run={"cells": ran, "seconds": seconds,
+                                 "tasks": [t.name for t in tasks],
+                                 "policies": {k: dict(v) for k, v in policies.items()},
+                                 "budgets": budgets,
+                                 "machine": run_metadata(llm.device)})
+    return data, ran, seconds
 
 
 def select(data: dict, model: str, tasks: list) -> dict:
