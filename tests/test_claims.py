@@ -73,6 +73,11 @@ def test_vatp_is_tallied_over_cells_and_its_paper_setting_is_separate():
     assert "2 better, 0 worse, 1 not distinguishable" in scaled["ours"]
     assert scaled["verdict"] == HOLDS
     assert paper_f["verdict"] == FAILS and "sinks=20" in paper_f["claim"]
+    sel |= {("ppl", "h2o", b): cell(BASE + noise()) for b in (0.4, 0.6)}
+    sel |= {("ppl", "vatp", 0.4): cell(BASE + noise()), ("ppl", "vatp", 0.6): cell(BASE + 0.3)}
+    scaled = report.claim_vatp(sel)[0]          # 2 of 5 better, 1 worse: not "most tasks"
+    assert "2 better, 1 worse, 2 not distinguishable" in scaled["ours"]
+    assert scaled["verdict"] == UNCLEAR
 
 
 def test_claims_markdown_states_setting_statistic_and_verdict():
