@@ -412,3 +412,24 @@ def test_model_prefill_equals_eager_attention(arch, name, monkeypatch):
         else:
             keys = valid.repeat_interleave(CONFIGS[arch].num_kv_heads, 0).t()   # (S, rows)
             torch.testing.assert_close(a[keys], b[keys], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ in-cache RoPE ranks
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rank_rope_table_equals_rotating_each_rank(dtype):
+    """StreamingLLM and Cascade rotate cached keys to their in-cache rank from a table grown by
+    doubling; its rows are bit for bit `rope_cos_sin` of the ranks themselves, before and after
+    it grows."""
+    from tiny import CONFIGS
+    cfg = next(c for c in CONFIGS.values() if c.arch == "llama")
+    model = fmodel.Transformer(cfg, [], {}, device="cpu", dtype=dtype)
+    inv_freq = model.rope_freq("cpu")
+    g = torch.Generator().manual_seed(0)
+    for n in (5, 37, 300):
+        cos, sin = model.rank_rope(n, "cpu", dtype)
+        assert cos.shape[0] >= n and sin.shape == cos.shape
+        rank = torch.randint(0, n, (n, 6), generator=g)
+        want_cos, want_sin = fmodel.rope_cos_sin(inv_freq, rank, dtype)
+        assert torch.equal(cos[rank], want_cos) and torch.equal(sin[rank], want_sin)
+    assert model.rank_rope(300, "cpu", dtype)[0].shape[0] == 512      # kept, not rebuilt

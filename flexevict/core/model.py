@@ -185,6 +185,7 @@ class Transformer:
         self.config, self.layers, self.outer = config, layers, outer
         self.inv_freq = rope_inv_freq(config) if config.arch == "llama" else None
         self._inv_freq_at = {}         # device -> inv_freq there, copied once
+        self._rank_rope_at = {}        # (device, dtype) -> cos, sin of ranks 0..n-1 (`rank_rope`)
         self._device, self._dtype = device, dtype
 
     @classmethod
@@ -220,6 +221,19 @@ class Transformer:
         if device not in self._inv_freq_at:
             self._inv_freq_at[device] = self.inv_freq.to(device)
         return self._inv_freq_at[device]
+
+    def rank_rope(self, n: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (m, d) for the positions 0..m-1, m >= n, grown by doubling. StreamingLLM and
+        Cascade rotate every cached key to its in-cache rank on every step: a lookup in this
+        table is bit-identical to `rope_cos_sin` of the ranks (an elementwise function) and
+        saves recomputing the cosines and sines of the whole cache each step."""
+        key = (torch.device(device), dtype)
+        table = self._rank_rope_at.get(key)
+        if table is None or table[0].shape[0] < n:
+            size = 1 << max(n - 1, 1).bit_length()
+            table = rope_cos_sin(self.rope_freq(device), torch.arange(size, device=device), dtype)
+            self._rank_rope_at[key] = table
+        return table
 
     # ------------------------------------------------------------------ embed / head
     def step_input(self, pos: torch.Tensor, valid: torch.Tensor | None) -> StepInput:
@@ -370,12 +384,10 @@ class Transformer:
         valid = buf.valid[:n]
         order_key = torch.where(valid, buf.pos[:n], torch.iinfo(torch.int32).max)
         rank = order_key.argsort(dim=0, stable=True).argsort(dim=0)          # (n, R)
-        inv_freq = self.rope_freq(q.device)
-        cos, sin = rope_cos_sin(inv_freq, rank, q.dtype)                      # (n, R, d)
-        keys = apply_rope(buf.k[:n], cos, sin)
+        cos, sin = self.rank_rope(n, q.device, q.dtype)                       # (m, d), m >= n
+        keys = apply_rope(buf.k[:n], cos[rank], sin[rank])                    # (n, R, d)
         q_pos = valid.sum(dim=0) - 1                                          # (R,)
-        qcos, qsin = rope_cos_sin(inv_freq, q_pos, q.dtype)
-        return apply_rope(q, qcos.unsqueeze(1), qsin.unsqueeze(1)), keys
+        return apply_rope(q, cos[q_pos].unsqueeze(1), sin[q_pos].unsqueeze(1)), keys
 
 
 def causal_attention(q, k, v, pads: torch.Tensor | None, scale: float | None = None):
