@@ -192,14 +192,15 @@ def run_sweep_cli(args) -> dict:
 
 
 def sweep_note(model: str, tasks: list, args, data: dict) -> str:
+    from flexevict.evaluation.sweep import cell_seconds
     lines = [f"Model `{model}`; text: {'`' + args.text + '`' if args.text else 'packaged'}"
              f"{' (--quick)' if args.quick else ''}. Task settings:", ""]
     lines += [f"- `{t.name}`: " + ", ".join(f"{k}={v}" for k, v in t.settings.items())
               for t in tasks]
-    runs = data["runs"]
-    if runs:
-        lines += ["", "Runs that added cells (wall seconds, cells): " +
-                  "; ".join(f"{r['seconds']} s, {r['cells']}" for r in runs)]
+    seconds = cell_seconds(data, model, tasks)
+    lines += ["", f"Cell time: {sum(seconds.values()):,.0f} s (" +
+              ", ".join(f"{name} {s:,.0f} s" for name, s in seconds.items()) +
+              "): the sum of each cell's own wall seconds, whichever run or process ran it."]
     return "\n".join(lines)
 
 

@@ -227,6 +227,25 @@ def test_a_sweep_run_records_the_shared_run_metadata(tmp_path):
     assert ran == 1 and data["runs"][0]["machine"] == run_metadata("cpu")
 
 
+def test_results_md_reports_the_summed_cell_time_of_this_sweeps_cells_only():
+    """A sweep resumed over sessions records no single run's wall time; the note sums each
+    matching cell's own seconds per task, leaving out other models' and settings' cells."""
+    from types import SimpleNamespace
+    from flexevict.eval import sweep_note
+    tasks = [SimpleNamespace(name="ppl", settings={"tokens": 2048}),
+             SimpleNamespace(name="passkey", settings={"repeats": 5})]
+    cell = lambda model, task, settings, s: {"model": model, "task": task,  # noqa: E731
+                                             "settings": settings, "seconds": s}
+    data = {"runs": [], "cells": dict(enumerate([
+        cell("m", "ppl", {"tokens": 2048}, 1000.5), cell("m", "ppl", {"tokens": 2048}, 2000.0),
+        cell("m", "passkey", {"repeats": 5}, 94.0),
+        cell("m", "ppl", {"tokens": 512}, 7.0),             # the earlier protocol's settings
+        cell("other", "passkey", {"repeats": 5}, 50.0)]))}  # another model
+    args = SimpleNamespace(text=None, quick=False)
+    note = sweep_note("m", tasks, args, data)
+    assert "Cell time: 3,094 s (ppl 3,000 s, passkey 94 s)" in note
+
+
 class _FakeTask:
     """A task whose cells cost nothing; `during_run` stands in for another sweep's writes."""
     name, settings = "fake", {}

@@ -240,9 +240,24 @@ def run_sweep(llm, model: str, tasks: list, policies: dict[str, tuple], budgets:
     return data, ran, seconds
 
 
-def select(data: dict, model: str, tasks: list) -> dict:
-    """{(task, policy, budget): metrics} of the cells matching this model and task settings
-    (any policy and budget: a later run that adds budgets shows up in the same tables)."""
+def matching(data: dict, model: str, tasks: list) -> list[dict]:
+    """The cells of this model and these task settings (any policy and budget: a later run that
+    adds budgets shows up in the same tables)."""
     settings = {t.name: t.settings for t in tasks}
-    return {(c["task"], c["policy"], c["budget"]): c["metrics"] for c in data["cells"].values()
-            if c["model"] == model and settings.get(c["task"]) == c["settings"]}
+    return [c for c in data["cells"].values()
+            if c["model"] == model and settings.get(c["task"]) == c["settings"]]
+
+
+def select(data: dict, model: str, tasks: list) -> dict:
+    """{(task, policy, budget): metrics} of the matching cells."""
+    return {(c["task"], c["policy"], c["budget"]): c["metrics"]
+            for c in matching(data, model, tasks)}
+
+
+def cell_seconds(data: dict, model: str, tasks: list) -> dict[str, float]:
+    """{task: the summed wall seconds of its matching cells}. Each cell times itself, so the sum
+    is right for a sweep interrupted and resumed across sessions, or split over processes."""
+    seconds = {t.name: 0.0 for t in tasks}
+    for c in matching(data, model, tasks):
+        seconds[c["task"]] += c["seconds"]
+    return seconds
