@@ -53,10 +53,23 @@ def test_hashevict_seeds_are_averaged_item_by_item():
            ("ppl", "hashevict@seed1", 0.5): cell(BASE - 0.02),
            ("ppl", "hashevict@seed2", 0.5): cell(BASE + 0.01)}
     assert report.items(sel, report.PPL, "hashevict", 0.5) == pytest.approx(list(BASE + 0.03))
-    close, _ = report.claim_hashevict(sel)
-    assert "3 projection seeds" in close["ours"]
+    close, _, _ = report.claim_hashevict(sel)
+    assert "3 projection seed(s)" in close["ours"]
     assert close["results"][0]["diff"].mean == pytest.approx(-0.03)
     assert close["verdict"] == HOLDS                       # 3% is within the 5% margin
+
+
+def test_hashevict_under_the_authors_prefill_is_its_own_claim_not_a_seed():
+    """`hashevict@rg` (prompt_pool=recent_global) is judged on its own cells against H2O; it is
+    not averaged into `hashevict`'s seeds, nor they into it."""
+    sel = {("ppl", "h2o", 0.4): cell(BASE, BASE * 0 + 0.5),
+           ("ppl", "hashevict", 0.4): cell(BASE + 0.01, BASE * 0 + 0.3),      # ROUGE-L 0.2 below
+           ("ppl", "hashevict@rg", 0.4): cell(BASE + 0.01, BASE * 0 + 0.48)}  # 0.02 below
+    sel = {(t, p, b): m for (_, p, b), m in sel.items() for t in ("ppl", "agreement")}
+    ours, authors, _ = report.claim_hashevict(sel)
+    assert ours["verdict"] == FAILS and "replays" in ours["ours"]
+    assert authors["verdict"] == HOLDS and "recent_global" in authors["ours"]
+    assert authors["results"][1]["diff"].mean == pytest.approx(-0.02)
 
 
 def test_vatp_is_tallied_over_cells_and_its_paper_setting_is_separate():
