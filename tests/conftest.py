@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random HF models saved to disk, and the packaged SmolLM2 (engine + HF)."""
 import os
+import signal
 import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"          # never touch the network
@@ -21,6 +22,12 @@ from flexevict.errors import UserError  # noqa: E402
 # one intra-op thread: these models are tiny, and on a shared 2-core machine OpenMP threads that
 # wait for a busy core make every small op take milliseconds (hundreds of times slower)
 torch.set_num_threads(int(os.environ.get("FLEXEVICT_TEST_THREADS", "1")))
+
+# The Ctrl-C tests send SIGINT to job subprocesses. A suite started in the background (nohup, or
+# `&` in a script) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler,
+# here or in the children, which would run on through the signal: restore it, so children start
+# with SIGINT at its default as under a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # ------------------------------------------------------------------------ tiny HF models
