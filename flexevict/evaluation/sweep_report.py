@@ -378,4 +378,7 @@ def claims_markdown(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['paper']} | {r['claim']} | {r['theirs']} | {r['ours']} | "
               f"**{r['verdict']}** | {r['statistic']} |" for r in rows]
+    lines += ["", "Why a verdict differs from the paper's is a reading of the results, not a "
+              "computation: for SmolLM2-135M it is in the repository's "
+              "bench/results/accuracy/README.md, per paper."]
     return "\n".join(lines) + "\n"
