@@ -62,9 +62,10 @@ def test_hashevict_seeds_are_averaged_item_by_item():
 def test_hashevict_under_the_authors_prefill_is_its_own_claim_not_a_seed():
     """`hashevict@rg` (prompt_pool=recent_global) is judged on its own cells against H2O; it is
     not averaged into `hashevict`'s seeds, nor they into it."""
-    sel = {("ppl", "h2o", 0.4): cell(BASE, BASE * 0 + 0.5),
-           ("ppl", "hashevict", 0.4): cell(BASE + 0.01, BASE * 0 + 0.3),      # ROUGE-L 0.2 below
-           ("ppl", "hashevict@rg", 0.4): cell(BASE + 0.01, BASE * 0 + 0.48)}  # 0.02 below
+    rouge = lambda v: np.full(len(BASE), v)                               # noqa: E731
+    sel = {("ppl", "h2o", 0.4): cell(BASE, rouge(0.5)),
+           ("ppl", "hashevict", 0.4): cell(BASE + 0.01, rouge(0.3)),        # ROUGE-L 0.2 below
+           ("ppl", "hashevict@rg", 0.4): cell(BASE + 0.01, rouge(0.48))}    # 0.02 below
     sel = {(t, p, b): m for (_, p, b), m in sel.items() for t in ("ppl", "agreement")}
     ours, authors, _ = report.claim_hashevict(sel)
     assert ours["verdict"] == FAILS and "replays" in ours["ours"]
