@@ -28,7 +28,7 @@ Decisions where the paper is silent:
   (the authors' later code) accepts everywhere until the window is full.
 - Prefill (not in the paper): one full causal pass; each prompt token's initial mu is its
   EMA-weighted column sum (`prompt_scores`, the `fold` the model passes to
-  kernels.prefill_column_sums), then the prompt is inserted token by token by Algorithm 1.
+  kernels.prefill_attention_scores), then the prompt is inserted token by token by Algorithm 1.
 - GQA: a kv head's probability sums its query heads (mean: the paper's decisions exactly).
 - Budget: |C| = slots - 1 - sinks, W = |C| // N, and the remainder goes to C_1. Minimum slots:
   sinks + N + 1.
@@ -120,16 +120,19 @@ class Cascade(Policy):
     def prompt_scores(self, layout, acc, p, first, valid):
         """Fold one block of prefill attention into the EMA-weighted column sums (engine hook).
 
-        p (B, Hk, g, c, S) fp32 probabilities of prompt queries [first, first + c), valid (B, S)
-        -> (B, Hk, S): sum over real queries q of (1 - gamma) gamma^(S-1-q) p[q, k], summed over
-        the group (left padding puts every row's last real query at S - 1)."""
-        s, c = p.shape[-1], p.shape[3]
+        p (B, Hk, g, c, j) fp32 probabilities of prompt queries [first, first + c) over keys
+        [0, j), valid (B, S) -> (B, Hk, S): sum over real queries q of
+        (1 - gamma) gamma^(S-1-q) p[q, k], summed over the group (left padding puts every
+        row's last real query at S - 1)."""
+        (b, hk, _, c, j), s = p.shape, valid.shape[1]
         q = torch.arange(first, first + c, device=p.device, dtype=torch.float64)
         g = layout.gamma
         w = ((1.0 - g) * g ** (s - 1 - q)).to(p.dtype)                           # (c,)
         w = w * valid[:, first:first + c]                                        # (B, c)
-        total = torch.einsum("bhgcs,bc->bhs", p, w)
-        return total if acc is None else acc + total
+        if acc is None:
+            acc = p.new_zeros(b, hk, s)
+        acc[..., :j] += torch.einsum("bhgcs,bc->bhs", p, w)
+        return acc
 
     # ------------------------------------------------------------------ layout
     def fields(self, layout):

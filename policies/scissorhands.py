@@ -24,7 +24,7 @@ Decisions where the paper is silent:
 - `score=attention`: the VATP paper's reading (its Eq. 3): importance = attention summed over
   the last `window` queries (`window=0`: over all queries, the VATP authors' code).
 - Prompt: the model folds the prompt attention with `prompt_scores` (the `fold` of
-  kernels.prefill_column_sums) into the last `window` prompt queries' statistic; when the prompt
+  kernels.prefill_attention_scores) into the last `window` prompt queries' statistic; when the prompt
   does not fit, Algorithm 2 runs once: the last `recent` prompt tokens stay, the rest are ranked.
 - Policy state beyond score/state is declared by `fields()` (`kv.Field`: `hist`, `step`) and
   lives in `buf.policy_state[...]`.
@@ -103,23 +103,28 @@ class Scissorhands(RingPolicy):
     # ------------------------------------------------------------------ prompt
     def prompt_scores(self, layout, acc, p, first, valid):
         """Fold one block of prefill attention into the prompt statistic (the model passes this as
-        the `fold` of kernels.prefill_column_sums).
+        the `fold` of kernels.prefill_attention_scores).
 
-        p (B, Hk, g, c, S) fp32 probabilities of prompt queries [first, first + c) (pad queries
-        zeroed), valid (B, S). Only the last `window` queries count. -> count mode: (B, Hk, S,
-        bytes) uint8, bit (i % window) set when query i found the key unimportant; attention
-        mode: (B, Hk, S) fp32 attention summed over those queries."""
-        b, hk, g, c, s = p.shape
+        p (B, Hk, g, c, j) fp32 probabilities of prompt queries [first, first + c) over keys
+        [0, j) (pad queries zeroed), valid (B, S). Only the last `window` queries count. ->
+        count mode: (B, Hk, S, bytes) uint8, bit (i % window) set when query i found the key
+        unimportant; attention mode: (B, Hk, S) fp32 attention summed over those queries."""
+        (b, hk, g, c, j), s = p.shape, valid.shape[1]
         w = self.window or s
+        if acc is None:
+            acc = (p.new_zeros(b, hk, s) if not self.counting else
+                   torch.zeros(b, hk, s, (w + 7) // 8, dtype=torch.uint8, device=p.device))
+        if first + c <= s - w:                                        # no query of the window
+            return acc
         qi = torch.arange(first, first + c, device=p.device)
-        score = p.sum(dim=2)                                          # (B, Hk, c, S)
+        score = p.sum(dim=2)                                          # (B, Hk, c, j)
         inwin = (qi >= s - w) & (qi < s)
         if not self.counting:
-            total = (score * inwin[:, None]).sum(dim=2)
-            return total if acc is None else acc + total
+            acc[..., :j] += (score * inwin[:, None]).sum(dim=2)
+            return acc
         seen = valid.long().cumsum(1).gather(1, qi.clamp(max=s - 1).expand(b, -1))   # (B, c)
-        keys = torch.arange(s, device=p.device)
-        visible = (keys <= qi[:, None]) & valid[:, None, :]          # (B, c, S)
+        keys = torch.arange(j, device=p.device)
+        visible = (keys <= qi[:, None]) & valid[:, None, :j]         # (B, c, j)
         low = score < g / seen.clamp(min=1)[:, None, :, None]
         low &= (visible & valid.gather(1, qi.clamp(max=s - 1).expand(b, -1))[..., None])[:, None]
         low &= inwin[:, None]
@@ -128,7 +133,8 @@ class Scissorhands(RingPolicy):
         weight = torch.zeros(c, nbytes, device=p.device)              # row -> (byte, 1 << bit)
         weight[torch.arange(c, device=p.device), bit // 8] = (1 << (bit % 8)).float()
         packed = torch.einsum("bhcs,cy->bhsy", low.float(), weight).to(torch.uint8)  # sum = or
-        return packed if acc is None else acc | packed
+        acc[..., :j, :] |= packed
+        return acc
 
     def prefill(self, buf, k, v, pos, valid, scores=None):
         buf.policy_state["step"] = k.shape[0]

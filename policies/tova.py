@@ -16,7 +16,7 @@ Decisions where the paper is silent (following the authors' code where it says m
   so all of them drop the same token (the paper's "TOVA-layer").
 - Ties: the oldest token goes; empty/pad slots are taken first.
 - Prefill: the model folds the prompt attention with `prompt_scores` (the `fold` of
-  kernels.prefill_column_sums), giving the LAST prompt query's attention; the top-k prompt tokens
+  kernels.prefill_attention_scores), giving the LAST prompt query's attention; the top-k prompt tokens
   by it are kept (ties: the newest kept), in position order.
 - `buf.score` holds the current step's score only (TOVA keeps no memory across steps).
 
@@ -51,15 +51,16 @@ class TOVA(Policy):
     # ------------------------------------------------------------------ scores
     def prompt_scores(self, layout, acc, p, first, valid):
         """Fold one block of prefill attention into the prompt statistic (the model passes this as
-        the `fold` of kernels.prefill_column_sums).
+        the `fold` of kernels.prefill_attention_scores).
 
-        p (B, Hk, g, c, S) fp32 probabilities of prompt queries [first, first + c) (pad queries
-        zeroed), valid (B, S) -> (B, Hk, S): the last prompt query's attention (under left
-        padding the last position is a real token in every row), summed over the group."""
-        last = p.shape[-1] - 1 - first
+        p (B, Hk, g, c, j) fp32 probabilities of prompt queries [first, first + c) over keys
+        [0, j) (pad queries zeroed), valid (B, S) -> (B, Hk, S): the last prompt query's
+        attention (under left padding the last position is a real token in every row), summed
+        over the group. Its block is the last, where j = S."""
+        last = valid.shape[1] - 1 - first
         if 0 <= last < p.shape[3]:
             return p[:, :, :, last].sum(dim=2)
-        return acc if acc is not None else p.new_zeros(p.shape[0], p.shape[1], p.shape[-1])
+        return acc
 
     def group(self, buf, score: torch.Tensor) -> torch.Tensor:
         """(n, rows) per-kv-head scores -> the scores eviction compares (layer: summed over the

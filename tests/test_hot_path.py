@@ -6,9 +6,10 @@ decode attention and the policy hooks it calls must not synchronise host and dev
 `NoHostSync` raises on the calls that would (reading a value on the host, shapes that depend on
 data, tensors built from Python data, device moves, scalars assigned through an index).
 
-Prefill: the attention output comes from SDPA with a causal flag and no S x S mask (left padding
-handled by rolling rows, `model.causal_attention`), the column sums from a separate blockwise
-pass (`kernels.prefill_column_sums`); both are checked against eager softmax attention.
+Prefill: without prompt scores the attention output comes from SDPA with a causal flag and no
+S x S mask (left padding handled by rolling rows, `model.causal_attention`); a policy that ranks
+the prompt gets output and column sums from one blockwise pass
+(`kernels.prefill_attention_scores`); both are checked against eager softmax attention.
 """
 import functools
 
@@ -293,40 +294,59 @@ def test_causal_attention_equals_eager_softmax(shape, scale):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("block", [256, 5, 1])
-def test_column_sums_equal_eager_softmax(shape, block):
+@pytest.mark.parametrize("block", [None, 256, 5, 1])
+def test_scored_attention_equals_eager_softmax(shape, block):
+    """One pass gives the attention output and the column sums of eager softmax attention."""
     b, h, hk, s, d, pads = SHAPES[shape]
     q, k, v, valid = qkv(b, h, hk, s, d, seed=s + 1, pads=pads)
-    got = kernels.prefill_column_sums(q, k, valid, 0.4, block=block)
-    _, want = eager_attention(q, k, v, valid, 0.4)
+    out, got = kernels.prefill_attention_scores(q, k, v, valid, 0.4, block=block)
+    want_out, want = eager_attention(q, k, v, valid, 0.4)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    _, before = ref.prefill_attention(q, k, v, prefill_mask(valid), valid, 0.4, block=block)
+    _, before = ref.prefill_attention(q, k, v, prefill_mask(valid), valid, 0.4, block=block or 8)
     torch.testing.assert_close(got, before, atol=1e-6, rtol=1e-5)   # the previous pass
     assert not got[~valid[:, None].expand_as(got)].any()         # pad keys receive nothing
+    out = out.transpose(1, 2)                                    # (B, H, S, d)
+    real = valid[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], want_out[real], atol=1e-5, rtol=1e-5)
+    assert out.isfinite().all()                                  # pad rows too: no NaN
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_column_sums_in_half_precision(dtype):
+def test_scored_attention_in_half_precision(dtype):
     """fp16/bf16 inputs (a GPU's): logits in the input dtype, softmax and sums in fp32."""
     q, k, v, valid = qkv(3, 6, 2, 33, 16, seed=3, pads=(7, 0, 1))
-    got = kernels.prefill_column_sums(q.to(dtype), k.to(dtype), valid, 0.25, block=8)
+    out, got = kernels.prefill_attention_scores(q.to(dtype), k.to(dtype), v.to(dtype), valid,
+                                                0.25, block=8)
     _, want = eager_attention(q, k, v, valid, 0.25)
-    assert got.dtype == torch.float32
+    assert got.dtype == torch.float32 and out.dtype == dtype
     torch.testing.assert_close(got, want, atol=0.03, rtol=0.03)
 
 
-def test_column_sum_blocks_shrink_for_large_batches(monkeypatch):
-    """The block is capped by COLSUM_BLOCK_VALUES (memory), and the sums do not change."""
+def test_scored_attention_chunks_bound_memory_not_results(monkeypatch):
+    """Sequences are chunked to keep one block's probabilities within the device's budget;
+    the block (query rows) stays, so output and sums are bit-identical chunked or not."""
     q, k, v, valid = qkv(3, 6, 2, 33, 16, seed=2, pads=(7, 0, 1))
-    want = kernels.prefill_column_sums(q, k, valid, 0.4)
-    blocks = []
-    real_softmax = torch.softmax
-    monkeypatch.setattr(ref, "COLSUM_BLOCK_VALUES", 3 * 6 * 33 * 4)      # 4 query rows
-    monkeypatch.setattr(torch, "softmax", lambda x, *a, **kw: blocks.append(x.shape[3]) or
-                        real_softmax(x, *a, **kw))
-    got = kernels.prefill_column_sums(q, k, valid, 0.4)
-    assert max(blocks) == 4 and len(blocks) == 9
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    want = kernels.prefill_attention_scores(q, k, v, valid, 0.4, block=4)
+    chunks = []
+    real_bmm = torch.baddbmm
+    monkeypatch.setitem(ref.PREFILL_BLOCKING, "cpu", (4, 6 * 33 * 4 * 4))   # one sequence
+    monkeypatch.setattr(torch, "baddbmm", lambda *a, **kw: chunks.append(a[1].shape[0]) or
+                        real_bmm(*a, **kw))
+    got = kernels.prefill_attention_scores(q, k, v, valid, 0.4, block=4)
+    assert set(chunks) == {2} and len(chunks) == 3 * 9                  # 2 kv rows, 9 blocks
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_scored_attention_of_a_sequence_alone_and_in_a_padded_batch():
+    """A prompt's output and sums alone equal those it gets in a padded batch (to rounding:
+    its query blocks start at other offsets there)."""
+    q, k, v, valid = qkv(3, 6, 2, 70, 16, seed=6, pads=(0, 30, 11))
+    out, got = kernels.prefill_attention_scores(q, k, v, valid, 0.4)
+    for row, pads in enumerate((0, 30, 11)):
+        alone = [t[row:row + 1, :, pads:] for t in (q, k, v)]
+        out1, got1 = kernels.prefill_attention_scores(*alone, valid[row:row + 1, pads:], 0.4)
+        torch.testing.assert_close(got1[0], got[row, :, pads:], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out1[0], out[row, pads:], atol=1e-6, rtol=1e-6)
 
 
 FOLDS = {"cascade": {}, "tova": {}, "scissorhands": {"window": 6},
@@ -341,7 +361,7 @@ def test_prompt_statistics_equal_the_previous_pass(case):
     policy = get_policy(name, budget_tokens=20, **FOLDS[case])
     fold = functools.partial(policy.prompt_scores, policy.layout(40, 20))
     q, k, v, valid = qkv(3, 4, 2, 21, 8, seed=9, pads=(0, 6, 13))
-    got = kernels.prefill_column_sums(q, k, valid, 8 ** -0.5, block=4, fold=fold)
+    _, got = kernels.prefill_attention_scores(q, k, v, valid, 8 ** -0.5, fold=fold, block=4)
     _, want = ref.prefill_attention(q, k, v, prefill_mask(valid), valid, 8 ** -0.5, block=4,
                                     fold=fold)
     real = valid[:, None].expand(got.shape[:3])
@@ -374,27 +394,42 @@ def eager_causal_attention(q, k, v, pads, scale=None):
     return out.transpose(1, 2)
 
 
-def eager_column_sums(q, k, valid, scale, block=256, fold=None):
-    """`kernels.prefill_column_sums` by dense softmax (plain column sums only)."""
-    assert fold is None
-    return eager_attention(q, k, k, valid, scale)[1]
+def eager_scored_attention(q, k, v, valid, scale, fold=None, block=None):
+    """`kernels.prefill_attention_scores` by dense softmax: a fold gets every query at once."""
+    out, colsum = eager_attention(q, k, v, valid, scale)
+    if fold is not None:
+        b, h, s, d = q.shape
+        hk = k.shape[1]
+        logits = (q.double() @ k.repeat_interleave(h // hk, dim=1).double().transpose(-1, -2))
+        p = (logits * scale).masked_fill(~prefill_mask(valid), float("-inf")).softmax(-1)
+        p = (p * valid[:, None, :, None]).float().view(b, hk, h // hk, s, s)
+        colsum = fold(None, p, 0, valid)
+    return out.transpose(1, 2), colsum
+
+
+SCORED = ["h2o", "buzz", "buzz-logn", "tova", "scissorhands", "cascade", "vatp"]
 
 
 @pytest.mark.parametrize("arch", CONFIGS)
-@pytest.mark.parametrize("name", ["full", "h2o", "buzz-logn"])
+@pytest.mark.parametrize("name", ["full"] + SCORED)
 def test_model_prefill_equals_eager_attention(arch, name, monkeypatch):
-    """A padded prefill through the model: logits at real tokens and the column sums a policy
-    receives equal those of eager softmax attention; no NaN anywhere (pad rows included)."""
+    """A padded prefill through the model: logits at real tokens, the prompt scores a policy
+    receives (column sums or its own fold) and the tokens it keeps equal those of eager
+    softmax attention; no NaN anywhere (pad rows included)."""
     model, prompts = model_for(arch), rand_prompts((17, 9, 14), seed=4)
-    seen = {}
+    seen, kept = {}, {}
 
     def prefill(model):
-        policy = get_policy(name, budget_tokens=None if name == "full" else 8)
+        policy = get_policy(name, budget_tokens=None if name == "full" else 13)
         real = type(policy).prefill
+        assert policy.wants_prompt_scores(policy.layout(17, 1)) == (name != "full")
+
+        def spy(self, buf, k, v, pos, valid, scores=None, **kw):
+            seen.setdefault(buf.layer, []).append(scores)
+            real(self, buf, k, v, pos, valid, scores, **kw)
+            kept.setdefault(buf.layer, []).append(torch.where(buf.valid, buf.pos, -1).clone())
         with monkeypatch.context() as patch:                        # policies are frozen
-            patch.setattr(type(policy), "prefill", lambda self, buf, k, v, pos, valid,
-                          scores=None, **kw: (seen.setdefault(buf.layer, []).append(scores),
-                                              real(self, buf, k, v, pos, valid, scores)))
+            patch.setattr(type(policy), "prefill", spy)
             logits, _ = engine_logits(model, prompts, [], policy)   # (B, S, V)
         assert logits.isfinite().all()
         valid = left_pad(prompts, 0, "cpu")[1]
@@ -403,15 +438,19 @@ def test_model_prefill_equals_eager_attention(arch, name, monkeypatch):
     with torch.inference_mode():
         got, valid = prefill(model)
         monkeypatch.setattr(fmodel, "causal_attention", eager_causal_attention)
-        monkeypatch.setattr(kernels, "prefill_column_sums", eager_column_sums)
+        monkeypatch.setattr(kernels, "prefill_attention_scores", eager_scored_attention)
         want, _ = prefill(model)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     for layer, (a, b) in seen.items():
         if name == "full":
             assert a is None and b is None
+            continue
+        keys = valid.repeat_interleave(CONFIGS[arch].num_kv_heads, 0).t()   # (S, rows)
+        if a.dtype == torch.uint8:                                  # scissorhands' bits
+            assert torch.equal(a[keys], b[keys])
         else:
-            keys = valid.repeat_interleave(CONFIGS[arch].num_kv_heads, 0).t()   # (S, rows)
             torch.testing.assert_close(a[keys], b[keys], atol=1e-5, rtol=1e-5)
+        assert torch.equal(kept[layer][0], kept[layer][1])          # the same tokens kept
 
 
 # ------------------------------------------------------------------ in-cache RoPE ranks

@@ -343,7 +343,7 @@ def test_prompt_scores_are_the_streamed_ema():
     rows) is the EMA mu <- gamma mu + (1 - gamma) s the decode path would give each prompt token
     had the prompt been streamed one query at a time with full attention (GQA: summed over the
     group)."""
-    from flexevict.core.model import attention_with_column_sums
+    from flexevict.core import kernels
     g = torch.Generator().manual_seed(5)
     policy = get_policy("cascade", budget_tokens=45)
     layout = policy.layout(60, 30)
@@ -353,8 +353,8 @@ def test_prompt_scores_are_the_streamed_ema():
     q, k, v = (torch.randn(b, n, s, d, generator=g) for n in (h, hk, hk))
     valid = torch.ones(b, s, dtype=torch.bool)
     valid[1, :4] = False
-    _, stat = attention_with_column_sums(q, k, v, valid, d ** -0.5, block=3,
-                                         fold=functools.partial(policy.prompt_scores, layout))
+    _, stat = kernels.prefill_attention_scores(
+        q, k, v, valid, d ** -0.5, fold=functools.partial(policy.prompt_scores, layout), block=3)
     for bi in range(b):
         for kh in range(hk):
             mu = torch.zeros(s, dtype=torch.float64)

@@ -325,12 +325,13 @@ class Transformer:
                 k_cached = k
         factor = policy.logit_scale(s)
         scale = d ** -0.5 * factor
-        out = causal_attention(q, k, v, inp.pads, None if factor == 1.0 else scale)
         scores = None
-        if policy.wants_prompt_scores(buf.layout):
+        if policy.wants_prompt_scores(buf.layout):   # the scores come with the output
             fold = (None if policy.prompt_scores is None
                     else functools.partial(policy.prompt_scores, buf.layout))
-            scores = kernels.prefill_column_sums(q, k, inp.valid, scale, fold=fold)
+            out, scores = kernels.prefill_attention_scores(q, k, v, inp.valid, scale, fold)
+        else:
+            out = causal_attention(q, k, v, inp.pads, None if factor == 1.0 else scale)
         # buffer rows are (b, kv-head): (B, Hk, S, ...) -> (S, B*Hk, ...)
         rows = lambda t: t.permute(2, 0, 1, *range(3, t.dim())).reshape(s, b * nk, *t.shape[3:])
         pos = inp.pos.unsqueeze(1).expand(b, nk, s)
@@ -420,20 +421,6 @@ def causal_attention(q, k, v, pads: torch.Tensor | None, scale: float | None = N
                                          enable_gqa=gqa)
     back = (slots - pads[:, None]) % s           # token i sits at rolled slot back[b, i]
     return out.transpose(1, 2).gather(1, back[:, :, None, None].expand(b, s, h, d))
-
-
-def attention_with_column_sums(q, k, v, valid, scale, block: int = 256, fold=None):
-    """Prefill attention that also returns each key's attention received (H2O's column sums),
-    as the model computes them: SDPA (`causal_attention`) for the output, query blocks of the
-    softmax for the sums (`flexevict.core.kernels.prefill_column_sums`).
-
-    q (B, H, S, d), k/v (B, Hk, S, d), valid (B, S) bool (left padding) ->
-    out (B, H, S, d), column sums (B, Hk, S) fp32 summed over query heads, pad queries excluded.
-    fold(acc, p, first, valid) replaces the column sum with a policy's own prompt statistic;
-    p (B, Hk, g, c, S) fp32 are the probabilities of query rows [first, first + c).
-    """
-    out = causal_attention(q, k, v, (~valid).sum(dim=1), scale).transpose(1, 2)
-    return out, kernels.prefill_column_sums(q, k, valid, scale, block, fold)
 
 
 def attend(q: torch.Tensor, buf: KVBuffer, n: int, scale: float, keys=None,

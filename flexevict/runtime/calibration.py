@@ -53,7 +53,7 @@ import torch
 from flexevict.errors import UserError
 from flexevict.runtime.machine import device_name
 
-SCHEMA = 2
+SCHEMA = 3       # 3: prefill attention with prompt scores is one fused pass
 MB = 1 << 20
 # Hidden sizes of the layers whose weights' prepare cost is measured (4 to 120 MB a layer).
 PREPARE_HIDDEN = (256, 512, 768, 1024, 1536, 2048)
@@ -526,7 +526,9 @@ def measure_quant(device, dtype, quick: bool) -> dict:
 
 def measure_attention(device, dtype, quick: bool) -> dict:
     """Decode attention (fixed + per slot x row x (g + 2) x d), and the flop/s of causal prefill
-    attention (SDPA, 2 B H S^2 d flops) and of H2O's prompt column sums (B H S^2 d)."""
+    attention (2 B H S^2 d flops) on SDPA and on the pass that also collects the prompt's
+    column sums (`kernels.prefill_attention_scores`, what a policy that ranks the prompt runs
+    instead)."""
     from flexevict.core import kernels
     from flexevict.core.model import causal_attention
     r, g, d = 32, 4, 64
@@ -545,10 +547,10 @@ def measure_attention(device, dtype, quick: bool) -> dict:
     flops = 2 * b * h * s * s * d
     sdpa = flops / best_time(lambda: causal_attention(q, q, q, None), device, 3)
     valid = torch.ones(b, s, dtype=torch.bool, device=device)
-    colsum = flops / 2 / best_time(lambda: kernels.prefill_column_sums(q, q, valid, 0.1),
-                                   device, 3)
+    scored = flops / best_time(lambda: kernels.prefill_attention_scores(q, q, q, valid, 0.1),
+                               device, 3)
     return {"attn_decode": {"fixed_s": fixed, "per_unit_s": per_unit}, "sdpa_flops": sdpa,
-            "colsum_flops": colsum}
+            "scored_attn_flops": scored}
 
 
 # ---------------------------------------------------------------------------- fixed costs
@@ -808,12 +810,12 @@ def synthetic(kind: str) -> dict:
            "gemv_hot_bw": s["mem"], "llc_bytes": 50 * MB,
            "mem_bw": s["mem"], "quant_bw": s["mem"] / 4, "dequant_bw": s["mem"] / 4,
            "attn_decode": {"fixed_s": 10e-6, "per_unit_s": 2 / s["mem"]},
-           "sdpa_flops": s["gemm"] / 2, "colsum_flops": s["gemm"] / 4,
+           "sdpa_flops": s["gemm"] / 2, "scored_attn_flops": s["gemm"] / 4,
            "overhead": {a: {"prefill": launch, "decode": launch} for a in ("opt", "llama")}}
     cpu = {**gpu, "gemm_flops": s["cpu_gemm"], "gemv_bw": s["cpu_mem"] / 2,
            "mem_bw": s["cpu_mem"] / 2, "quant_bw": 5e9, "dequant_bw": 5e9,
            "attn_decode": {"fixed_s": 20e-6, "per_unit_s": 2 / (s["cpu_mem"] / 2)},
-           "sdpa_flops": s["cpu_gemm"] / 2, "colsum_flops": s["cpu_gemm"] / 4}
+           "sdpa_flops": s["cpu_gemm"] / 2, "scored_attn_flops": s["cpu_gemm"] / 3}
     links = {k: s[k] for k in ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable",
                                "disk_read", "disk_write")}
     return {"schema": SCHEMA, "synthetic": True, "quick": False,

@@ -15,7 +15,8 @@ with k over the GPU batches of the block:
     T_s = comp_s + W_s + CL_s + CS_s + fixed_s                           (no overlap)
 
 - comp_s = sum_k: matmuls (weights streamed from memory + flops), attention (prefill: causal
-  SDPA and, for a policy that ranks the prompt, its column sums; decode: per attended slot),
+  SDPA, or for a policy that ranks the prompt the pass that also sums its columns; decode: per
+  attended slot),
   element-wise passes over the hidden states, the policy's hooks (per slot x row), and
   activation moves to and from a CPU tier (the engine makes them on the compute stream, so they
   add to comp rather than overlap it, unlike FlexGen's model).
@@ -343,8 +344,7 @@ class CostModel:
         if i == 0:
             d = self.dev
             flops = 2 * b * h * self.P * self.P * dh
-            t = flops / d["sdpa_flops"] + (flops / 2 / d["colsum_flops"] if self.ranks_prompt
-                                           else 0.0)
+            t = flops / d["scored_attn_flops" if self.ranks_prompt else "sdpa_flops"]
             hook = self.hooks["prefill"]
             return t + hook["fixed_s"] + hook["per_token_row_s"] * self.P * rows
         on_cpu = self.cuda and work == "cpu"

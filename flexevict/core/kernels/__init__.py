@@ -22,7 +22,7 @@ from flexevict.core.kernels.reference import (WORD_BITS, SubCaches, accumulate_s
                                               lowest, popcount, reduce_heads)
 
 __all__ = [  # the dispatch functions (kernel or reference) ...
-           "backend", "decode_attention", "prefill_attention", "prefill_column_sums",
+           "backend", "decode_attention", "prefill_attention", "prefill_attention_scores",
            "evict_commit", "ring_commit",
            "hash_codes", "hash_victims", "compact_prompt", "buzz_pass", "cascade_update",
            "quantize_4bit", "dequantize_4bit", "Packed4bit",
@@ -107,7 +107,7 @@ def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold
     q (B, H, S, d); k, v (B, Hk, S, d); mask (B, 1, S, S) bool (True = may attend); valid (B, S)
     -> out (B, H, S, d), colsum (B, Hk, S) fp32. fold(acc, p, first, valid) replaces the column
     sums with a policy's own statistic (reference only; see `reference.prefill_attention`).
-    Any mask; the model's causal prefill uses SDPA plus `prefill_column_sums` instead (the
+    Any mask; the model's causal prefill uses `prefill_attention_scores` instead (the
     kernel runs one scalar thread per query row, no tensor cores).
     """
     op = "prefill_attention"
@@ -133,24 +133,28 @@ def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold
     return out, colsum
 
 
-def prefill_column_sums(q, k, valid, scale: float, block: int = 256, fold=None):
-    """Per key, the attention it receives in a causal prefill of left-padded rows, summed over
-    the query heads of its kv head and over the valid queries (H2O's column sums); the model
-    takes the attention output from SDPA and calls this only for a policy that wants it.
+def prefill_attention_scores(q, k, v, valid, scale: float, fold=None, block=None):
+    """Causal prefill attention of left-padded rows and, from the same probabilities, each
+    key's attention received, summed over the query heads of its kv head and over the valid
+    queries (H2O's column sums); the model calls it for a policy that wants prompt scores and
+    SDPA otherwise.
 
-    q (B, H, S, d); k (B, Hk, S, d); valid (B, S) bool (pads first) -> (B, Hk, S) fp32, or
-    fold(acc, p, first, valid)'s statistic. Torch ops on every device: batched GEMMs (tensor
-    cores) and a fused softmax per query block, which beats the extension's prefill kernel (one
-    scalar thread per query, see `prefill_attention`) by far on a GPU.
+    q (B, H, S, d); k, v (B, Hk, S, d); valid (B, S) bool (pads first) -> out (B, S, H, d),
+    and (B, Hk, S) fp32 or fold(acc, p, first, valid)'s statistic; block: query rows per
+    block (default: the device's). Torch ops on every device:
+    batched GEMMs (tensor cores) and a fused softmax per query block, which beats the
+    extension's prefill kernel (one scalar thread per query, see `prefill_attention`) by far
+    on a GPU.
     """
-    op = "prefill_column_sums"
+    op = "prefill_attention_scores"
     _expect(op, "q", q, (None, None, None, None), FLOATS)
     b, h, s, d = q.shape
     _expect(op, "k", k, (b, None, s, d), q.dtype, q.device)
     if k.shape[1] == 0 or h % k.shape[1]:
         _fail(op, f"query heads ({h}) must be a multiple of kv heads ({k.shape[1]})")
+    _expect(op, "v", v, (b, k.shape[1], s, d), q.dtype, q.device)
     _expect(op, "valid", valid, (b, s), torch.bool, q.device)
-    return reference.prefill_column_sums(q, k, valid, scale, block, fold)
+    return reference.prefill_attention_scores(q, k, v, valid, scale, fold, block)
 
 
 # ------------------------------------------------------------------------------ victims

@@ -88,52 +88,85 @@ def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold
     return out.view(b, h, s, d), colsum
 
 
-# Query rows per block of `prefill_column_sums` are capped so that one block's probabilities,
-# B * H * rows * S fp32 values, stay near 256 MiB however large the batch and prompt are.
-COLSUM_BLOCK_VALUES = 1 << 26
+# Query rows per block, and bytes of one block's fp32 probabilities (a chunk of sequences x
+# Hk x g x rows x S), of `prefill_attention_scores`, by device type. On a CPU the block stays
+# near L2 size (measured 1.3-1.5x faster than one 256 MiB block of the whole batch, SmolLM2 at
+# 2048 tokens); on a GPU it is large (few launches, tensor cores busy).
+PREFILL_BLOCKING = {"cpu": (32, 1 << 22), "cuda": (128, 1 << 28)}
 
 
-def prefill_column_sums(q, k, valid, scale: float, block: int = 256, fold=None):
-    """Each key's attention received in a causal prefill of left-padded rows (H2O's column
-    sums): the softmax probabilities of query blocks (batched GEMMs, so tensor cores on a GPU)
-    summed over the query heads of its kv head and over the valid queries. The attention output
-    itself is not computed here (the model takes it from SDPA, `model.causal_attention`).
+def prefill_blocking(device: torch.device, seqs: int, per_seq_row: int, block: int | None):
+    """(query rows per block, sequences per chunk) of `prefill_attention_scores`; per_seq_row:
+    probability bytes of one sequence's query row. The block depends only on the device (or
+    the caller), never on the batch, so a sequence's sums do not depend on its batch-mates;
+    the chunk bounds memory alone."""
+    rows, budget = PREFILL_BLOCKING.get(torch.device(device).type, PREFILL_BLOCKING["cuda"])
+    rows = block or rows
+    return rows, max(1, min(seqs, budget // (per_seq_row * rows)))
 
-    q (B, H, S, d), k (B, Hk, S, d), valid (B, S) bool, real tokens after the pads -> (B, Hk, S)
-    fp32. A query sees the real keys up to itself; a pad query sees only itself and casts no
-    vote (its probabilities are zeroed), so no row is ever fully masked.
-    fold(acc, p, first, valid) replaces the column sum with a policy's own prompt statistic;
-    p (B, Hk, g, c, S) fp32 are the probabilities of query rows [first, first + c).
+
+def prefill_attention_scores(q, k, v, valid, scale: float, fold=None, block=None):
+    """Causal prefill attention of left-padded rows that also returns each key's attention
+    received (H2O's column sums), from the same probabilities: one pass over query blocks,
+    each block's softmax normaliser shared by its output and its sums, so the score costs a
+    GEMV over probabilities already in cache and no S x S matrix is ever materialised.
+
+    q (B, H, S, d), k/v (B, Hk, S, d), valid (B, S) bool, real tokens after the pads ->
+    out (B, S, H, d) token-major (like `model.causal_attention`), and column sums (B, Hk, S)
+    fp32 summed over the query heads of each kv head and over the valid queries. A query sees
+    the real keys up to itself; a pad query sees only itself and casts no vote, so no row is
+    ever fully masked (its output is finite and never read).
+    fold(acc, p, first, valid) replaces the column sum with a policy's own prompt statistic:
+    p (b, Hk, g, c, j) fp32 are the probabilities of query rows [first, first + c) over keys
+    [0, j) (the later keys get none), pad queries zeroed, for a chunk of b sequences with
+    valid (b, S); acc is the chunk's statistic so far (None at its first block).
+    block: query rows per block (default: the device's, `PREFILL_BLOCKING`).
     """
     b, h, s, d = q.shape
     hk = k.shape[1]
     g = h // hk
-    block = max(1, min(block, COLSUM_BLOCK_VALUES // (b * h * s)))
-    qg = q.view(b, hk, g, s, d)
-    kt = k.reshape(b * hk, s, d).transpose(1, 2)                   # (B*Hk, d, S)
+    block, chunk = prefill_blocking(q.device, b, h * s * 4, block)
+    q5 = q.view(b, hk, g, s, d)
+    keys_t = k.reshape(b * hk, s, d).transpose(1, 2)               # (B*Hk, d, S), one copy
+    vals = v.reshape(b * hk, s, d)
+    out = torch.empty(b * hk, g, s, d, dtype=q.dtype, device=q.device)
+    padded = not bool(valid.all())                                 # prefill: one host read
+    votes = valid.to(torch.float32).repeat_interleave(hk, 0).unsqueeze(1)   # (B*Hk, 1, S)
+    causal = torch.full((block, block), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
     keys = torch.arange(s, device=q.device)
-    votes = valid.to(torch.float32)
-    colsum = None if fold else torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
     unused = q.new_zeros(1, 1, 1)                                  # baddbmm's input, beta=0
-    for i in range(0, s, block):
-        j = min(i + block, s)                                      # causal: keys [0, j) only
-        c = j - i
-        rows = qg[:, :, :, i:j].reshape(b * hk, g * c, d)
-        logits = torch.baddbmm(unused, rows, kt[..., :j], beta=0, alpha=scale)
-        query = keys[i:j, None]
-        sees = ((keys[:j] <= query) & valid[:, None, :j]) | (keys[:j] == query)   # (B, c, j)
-        # masking the small (B, c, j) bias and adding it costs what masked_fill_ on the logits
-        # does on a GPU, and about a tenth of it on a CPU (whose masked_fill_ is not vectorised)
-        hidden = torch.zeros(b, 1, 1, c, j, dtype=logits.dtype, device=q.device)
-        logits = logits.view(b, hk, g, c, j).add_(hidden.masked_fill_(~sees[:, None, None],
-                                                                      float("-inf")))
-        p = torch.softmax(logits, dim=-1, dtype=torch.float32)    # (B, Hk, g, c, j)
-        if fold:                                                   # folds see all S keys
-            p = p * votes[:, None, None, i:j, None]
-            colsum = fold(colsum, F.pad(p, (0, s - j)), i, valid)
-        else:                                                      # a GEMV over the queries
-            colsum[..., :j] += (votes[:, None, None, None, i:j] @ p).sum(dim=(2, 3))
-    return colsum
+    stats = []
+    for b0 in range(0, b, chunk):
+        b1 = min(b0 + chunk, b)
+        r0, r1, n = b0 * hk, b1 * hk, (b1 - b0) * hk
+        stat = None if fold else torch.zeros(n, 1, s, dtype=torch.float32, device=q.device)
+        for i in range(0, s, block):
+            j = min(i + block, s)                                  # causal: keys [0, j) only
+            c = j - i
+            rows = q5[b0:b1, :, :, i:j].reshape(n, g * c, d)
+            logits = torch.baddbmm(unused, rows, keys_t[r0:r1, :, :j], beta=0,
+                                   alpha=scale).view(n, g, c, j)
+            if padded:     # the small (b, c, j) mask as an additive bias, broadcast over heads
+                query = keys[i:j, None]
+                sees = ((keys[:j] <= query) & valid[b0:b1, None, :j]) | (keys[:j] == query)
+                hidden = torch.zeros(b1 - b0, 1, 1, c, j, dtype=q.dtype, device=q.device)
+                hidden.masked_fill_(~sees[:, None, None], float("-inf"))
+                logits.view(b1 - b0, hk, g, c, j).add_(hidden)
+            else:
+                logits[..., i:j].add_(causal[:c, :c])
+            p = torch.softmax(logits, dim=-1, dtype=torch.float32)   # (n, g, c, j)
+            out[r0:r1, :, i:j] = torch.bmm(p.view(n, g * c, j).to(v.dtype),
+                                           vals[r0:r1, :j]).view(n, g, c, d)
+            if fold:
+                if padded:                                         # pad queries do not vote
+                    p = p * votes[r0:r1, :, i:j, None]
+                stat = fold(stat, p.view(b1 - b0, hk, g, c, j), i, valid[b0:b1])
+            else:                                                  # a GEMV over the queries
+                stat[..., :j] += torch.bmm(votes[r0:r1, :, i:j].repeat(1, 1, g),
+                                           p.view(n, g * c, j))
+        stats.append(stat if fold else stat.view(b1 - b0, hk, s))
+    stat = torch.cat(stats) if len(stats) > 1 else stats[0]
+    return out.view(b, h, s, d).transpose(1, 2), stat
 
 
 # ------------------------------------------------------------------------------ victims
