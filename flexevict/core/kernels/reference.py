@@ -8,6 +8,7 @@ slots, S prompt length, B batch, H / Hk query / kv heads.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -95,14 +96,21 @@ def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold
 PREFILL_BLOCKING = {"cpu": (32, 1 << 22), "cuda": (128, 1 << 28)}
 
 
-def prefill_blocking(device: torch.device, seqs: int, per_seq_row: int, block: int | None):
-    """(query rows per block, sequences per chunk) of `prefill_attention_scores`; per_seq_row:
-    probability bytes of one sequence's query row. The block depends only on the device (or
-    the caller), never on the batch, so a sequence's sums do not depend on its batch-mates;
-    the chunk bounds memory alone."""
+def prefill_blocking(device: torch.device, seqs: int, kv_heads: int, row_bytes: int,
+                     block: int | None):
+    """(query rows per block, sequences per chunk) of `prefill_attention_scores`; row_bytes:
+    the probabilities of one sequence's query row (all heads). The block depends only on the
+    device (or the caller), never on the batch, so a sequence's sums do not depend on its
+    batch-mates; the chunk bounds memory alone. On a CPU a chunk's matrices (sequences x kv
+    heads) are a multiple of the threads, which share the batched GEMMs by matrix."""
     rows, budget = PREFILL_BLOCKING.get(torch.device(device).type, PREFILL_BLOCKING["cuda"])
     rows = block or rows
-    return rows, max(1, min(seqs, budget // (per_seq_row * rows)))
+    chunk = budget // (row_bytes * rows)
+    if torch.device(device).type == "cpu":
+        threads = torch.get_num_threads()
+        step = threads // math.gcd(kv_heads, threads)
+        chunk = chunk // step * step or step
+    return rows, max(1, min(seqs, chunk))
 
 
 def prefill_attention_scores(q, k, v, valid, scale: float, fold=None, block=None):
@@ -125,7 +133,7 @@ def prefill_attention_scores(q, k, v, valid, scale: float, fold=None, block=None
     b, h, s, d = q.shape
     hk = k.shape[1]
     g = h // hk
-    block, chunk = prefill_blocking(q.device, b, h * s * 4, block)
+    block, chunk = prefill_blocking(q.device, b, hk, h * s * 4, block)
     q5 = q.view(b, hk, g, s, d)
     keys_t = k.reshape(b * hk, s, d).transpose(1, 2)               # (B*Hk, d, S), one copy
     vals = v.reshape(b * hk, s, d)
