@@ -131,7 +131,8 @@ class Cascade(Policy):
         w = w * valid[:, first:first + c]                                        # (B, c)
         if acc is None:
             acc = p.new_zeros(b, hk, s)
-        acc[..., :j] += torch.einsum("bhgcs,bc->bhs", p, w)
+        per_row = w[:, None, None].expand(b, hk, p.shape[2], c).reshape(b * hk, 1, -1)
+        acc[..., :j] += torch.bmm(per_row, p.reshape(b * hk, -1, j)).view(b, hk, j)  # a GEMV
         return acc
 
     # ------------------------------------------------------------------ layout

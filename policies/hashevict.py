@@ -47,6 +47,7 @@ from flexevict.policies.registry import register
 from flexevict.policies.base import RingPolicy
 
 STATE_BITS = 24         # fp32 holds every integer below 2**24 exactly
+KEY_CHUNK_VALUES = 1 << 20   # replay keys computed at once (steps x rows x S fp32: 4 MiB, in cache)
 
 
 # ------------------------------------------------------------------------------ hashing
@@ -55,6 +56,26 @@ def projection(bits: int, head_dim: int, seed: int, layer: int = 0) -> torch.Ten
     """The Gaussian LSH matrix R (bits, head_dim) fp32 on CPU, fixed by the `seed` and the layer."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
     return torch.randn(bits, head_dim, generator=gen)
+
+
+def _signs(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Hash codes (..., W) int64 as +-1 fp32 vectors (..., bits): bit j -> 1.0 if set."""
+    j = torch.arange(bits, device=codes.device)
+    set_ = (codes[..., j // WORD_BITS] >> (j % WORD_BITS)) & 1
+    return set_.to(torch.float32) * 2 - 1
+
+
+def _replay_keys(ks: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """HashEvict's replay keys for a chunk of c steps over tokens [0, n): key[t, r, x] = n - x
+    - (n + 1) / 2 * (q_t . k_x) over +-1 codes, which orders like distance * (n + 1) + n - x
+    (the farthest goes, ties: the oldest), since popcount(a ^ b) = (bits - a.b) / 2; exact in
+    fp32 (integers and halves far below 2**24). ks (rows, bits, n) key signs, qs (rows, c,
+    bits) query signs summed over the group -> (c, rows, n), each step's keys contiguous for
+    its gathers."""
+    n = ks.shape[2]
+    tie = (n - torch.arange(n, device=ks.device)).to(torch.float32)
+    keys = torch.bmm(qs, ks).mul_(-(n + 1) / 2).add_(tie)
+    return keys.transpose(0, 1).contiguous()
 
 
 # ------------------------------------------------------------------------------ policy
@@ -162,34 +183,50 @@ class HashEvict(RingPolicy):
             idx = sinks + j
             pool = torch.where(idx < mid_end, idx, -1)
             if s > buf.capacity:
+                ks = _signs(kh, self.hash_bits)                     # (S, rows, bits)
                 if self.hash_source == "query" and q is not None:
                     qh = hash_codes(q.gather(0, order[:, :, None, None].expand_as(q)), proj)
+                    qs = _signs(qh, self.hash_bits).sum(dim=2)      # summed over the group
                 else:
-                    qh = kh.unsqueeze(2)                            # (S, rows, 1, W)
-                pool = self._replay(pool, kh, qh, n_real, s, buf.capacity, ring)
+                    qs = ks
+                pool = self._replay(pool, ks, qs, n_real, buf.capacity, ring)
         self._store(buf, k, v, pos, valid, kh, pool, n_real)
 
-    def _replay(self, pool, kh, qh, n_real, s, capacity, ring):
+    def _replay(self, pool, ks, qs, n_real, capacity, ring):
         """Algorithm 1 over prompt tokens t = capacity .. S-1 on token indices only.
 
-        At step t the candidates are the pool (non-sink prefix) and the token leaving the ring,
-        a = t - ring; the one with the largest (distance, -index) goes. Rows are independent;
-        a row takes part while t < its length. -> the final pool (P, rows)."""
-        rows = torch.arange(pool.shape[1], device=pool.device)
-        big = s + 1                                      # key = dist * big + (s - index)
-        pool_h = kh.gather(0, pool.clamp(min=0).unsqueeze(-1).expand(-1, -1, kh.shape[-1]))
-        # the arrivals' distances for all steps at once
-        ts = torch.arange(capacity, s, device=pool.device)
-        d_arr = popcount(qh[capacity:] ^ kh[capacity - ring:s - ring].unsqueeze(2)).sum((-1, -2))
-        key_arr = d_arr * big + (s - (ts - ring)).unsqueeze(1)    # (T, rows)
-        for i, t in enumerate(range(capacity, s)):
-            a = t - ring
-            key = hamming(qh[t], pool_h) * big + (s - pool)         # (P, rows)
-            best, slot = key.max(dim=0)
-            evict = (best > key_arr[i]) & (t < n_real)               # else the arrival goes
-            pool[slot, rows] = torch.where(evict, a, pool[slot, rows])
-            pool_h[slot, rows] = torch.where(evict.unsqueeze(-1), kh[a], pool_h[slot, rows])
-        return pool
+        At step t the candidates are the pool (non-sink prefix; -1: empty, which competes as
+        token 0 one step older) and the token leaving the ring, a = t - ring; the one with the
+        largest (distance, -index) goes. Rows are independent; a row takes part while t < its
+        length. ks (S, rows, bits): the keys' codes as +-1; qs (S, rows, bits): the queries',
+        summed over the group. Every distance comes from one batched GEMM per chunk of steps
+        (`_replay_keys`); what stays a loop is Algorithm 1's own dependency, each step's pool
+        being the last one's after its eviction: a gather, a max and a scatter per step.
+        -> the final pool (P, rows)."""
+        s, rows = ks.shape[:2]
+        npool = pool.shape[0]
+        # (rows, P + 1): a row that evicts its arrival writes it to the spare last column
+        pool = torch.cat([pool.t(), pool.new_zeros(rows, 1)], dim=1)
+        members, spare = pool[:, :npool], torch.full((rows, 1), npool, device=pool.device)
+        empty = bool((members < 0).any())                # prefill only: one host read
+        all_live = int(n_real.min())
+        live = n_real.unsqueeze(1)
+        ks, qs = ks.permute(1, 2, 0), qs.transpose(0, 1)          # (rows, bits, S), (rows, S, bits)
+        span = max(1, KEY_CHUNK_VALUES // (rows * s))
+        for c0 in range(capacity, s, span):
+            c1 = min(c0 + span, s)
+            keys = _replay_keys(ks[..., :c1 - ring], qs[:, c0:c1])   # (c, rows, c1 - ring)
+            for t in range(c0, c1):
+                kt, a = keys[t - c0], t - ring
+                cand = kt.gather(1, members.clamp(min=0) if empty else members)
+                if empty:
+                    cand += members < 0
+                best, slot = cand.max(dim=1, keepdim=True)
+                evict = best > kt[:, a:a + 1]            # else the arrival goes
+                if t >= all_live:
+                    evict &= t < live
+                pool.scatter_(1, torch.where(evict, slot, spare), a)
+        return members.t()
 
     def _store(self, buf, k, v, pos, valid, kh, pool, n_real):
         """Lay the kept tokens out: sinks, the pool in position order, then the last `ring`

@@ -12,6 +12,7 @@ import flexevict.policies.hashevict  # noqa: F401  (registers "hashevict")
 from flexevict.errors import UserError
 from flexevict.runtime.generation import Sampling, generate
 from flexevict.core.kv import KVBuffer
+from flexevict.core import kernels
 from flexevict.policies import get_policy
 from flexevict.policies.hashevict import hamming, hash_codes, popcount, projection
 
@@ -472,3 +473,50 @@ def test_bad_input():
     with pytest.raises(UserError, match="expected a int"):
         get_policy(NAME, budget=0.5, hash_bits="many")
     assert get_policy(NAME, budget=0.5, hash_bits="8").hash_bits == 8
+
+
+def stepwise_replay(pool, kh, qh, n_real, s, capacity, ring):
+    """The replay as it was before its keys came from one GEMM: each step's distances by
+    popcount over the pool's codes (the bit-identity reference of `HashEvict._replay`)."""
+    from flexevict.core.kernels import hamming, popcount
+    rows = torch.arange(pool.shape[1])
+    big = s + 1
+    pool_h = kh.gather(0, pool.clamp(min=0).unsqueeze(-1).expand(-1, -1, kh.shape[-1]))
+    ts = torch.arange(capacity, s)
+    d_arr = popcount(qh[capacity:] ^ kh[capacity - ring:s - ring].unsqueeze(2)).sum((-1, -2))
+    key_arr = d_arr * big + (s - (ts - ring)).unsqueeze(1)
+    for i, t in enumerate(range(capacity, s)):
+        a = t - ring
+        key = hamming(qh[t], pool_h) * big + (s - pool)
+        best, slot = key.max(dim=0)
+        evict = (best > key_arr[i]) & (t < n_real)
+        pool[slot, rows] = torch.where(evict, a, pool[slot, rows])
+        pool_h[slot, rows] = torch.where(evict.unsqueeze(-1), kh[a], pool_h[slot, rows])
+    return pool
+
+
+@pytest.mark.parametrize("bits_, source, g", [(6, "query", 3), (16, "query", 1),
+                                              (40, "query", 2), (16, "key", 1)])
+def test_batched_replay_is_bit_identical_to_the_stepwise_one(bits_, source, g):
+    """The replay's decisions from GEMM-made keys equal the per-step popcount replay's, with
+    short rows (empty pool entries, rows that stop early) and multi-word codes."""
+    gen = torch.Generator().manual_seed(bits_ + g)
+    s, rows, d, capacity, ring, sinks = 90, 5, 8, 30, 11, 4
+    policy = get_policy("hashevict", budget_tokens=capacity + 1, hash_bits=bits_,
+                        hash_source=source)
+    proj = torch.randn(bits_, d, generator=gen)
+    kh = kernels.hash_codes(torch.randn(s, rows, d, generator=gen), proj)
+    qh = kernels.hash_codes(torch.randn(s, rows, g, d, generator=gen), proj)
+    if source == "key":
+        qh = kh.unsqueeze(2)
+    n_real = torch.tensor([90, 90, 61, 35, 25])
+    npool = capacity - ring - sinks
+    idx = sinks + torch.arange(npool).unsqueeze(1)
+    pool = torch.where(idx < n_real - ring, idx, -1)
+    assert (pool < 0).any()
+    want = stepwise_replay(pool.clone(), kh, qh, n_real, s, capacity, ring)
+    signs = flexevict.policies.hashevict._signs
+    got = policy._replay(pool.clone(), signs(kh, bits_), signs(qh, bits_).sum(dim=2), n_real,
+                         capacity, ring)
+    assert torch.equal(got, want)
+    assert not torch.equal(want, pool)                      # the replay evicted something
