@@ -28,7 +28,8 @@ Decisions where the paper is silent:
   (the authors' later code) accepts everywhere until the window is full.
 - Prefill (not in the paper): one full causal pass; each prompt token's initial mu is its
   EMA-weighted column sum (`prompt_scores`, the `fold` the model passes to
-  kernels.prefill_attention_scores), then the prompt is inserted token by token by Algorithm 1.
+  kernels.prefill_attention_scores), then Algorithm 1 inserts the prompt, batched
+  over its tokens (`_insert_prompt`: one argmax per slot over the range the schedule gives it).
 - GQA: a kv head's probability sums its query heads (mean: the paper's decisions exactly).
 - Budget: |C| = slots - 1 - sinks, W = |C| // N, and the remainder goes to C_1. Minimum slots:
   sinks + N + 1.
@@ -200,20 +201,56 @@ class Cascade(Policy):
         self._schedules[key] = plan, hist
         return plan, hist
 
-    def _schedule_tensors(self, lay: CascadeLayout, p: int, dev) -> list:
-        """`_schedule` as per-token (src, dst) index columns (k, 1) on the buffer's device, the
-        competing pair last; cached for the run (every layer inserts the same prompt)."""
-        key = (p, lay.sizes, str(dev))
-        if key not in self._schedules:
-            plan, _ = self._schedule(lay, p)
-            out = []
-            for src, dst, cmp in plan:
-                if cmp is not None:
-                    src, dst = src + [cmp[0]], dst + [cmp[1]]
-                col = lambda x: torch.tensor(x, dtype=torch.int64, device=dev).unsqueeze(1)  # noqa: E731
-                out.append((col(src), col(dst), cmp))
-            self._schedules[key] = out
+    def _held_ranges(self, lay: CascadeLayout, p: int, lengths: tuple[int, ...], dev):
+        """What each committed slot holds after the first n prompt tokens, for each n in
+        `lengths`: (len(lengths), capacity, width) int64 token indices, -1 padded. Which slots
+        move where never depends on scores (`_schedule`), and each compare keeps the better of
+        the sub-cache's newest and the incoming carry, whose tokens are all younger; so a
+        slot holds the best-scored token of one contiguous range of the prompt (ties: the
+        oldest, or with `tie_replace` the youngest), and these ranges are the schedule's
+        alone. Cached for the run (every layer inserts the same prompt)."""
+        key = ("ranges", p, lay.sizes, lengths, str(dev))
+        if key in self._schedules:
+            return self._schedules[key]
+        plan, _ = self._schedule(lay, p)
+        cap = sc = lay.capacity
+        held, snapshots = [None] * (cap + 1), {}
+        for t, (src, dst, cmp) in enumerate(plan[:max(lengths)]):
+            held[sc] = (t, t)
+            now = list(held)
+            for a, b in zip(src, dst):
+                now[b] = held[a]
+            if cmp is not None:                    # the winner of both ranges
+                now[cmp[1]] = (held[cmp[1]][0], held[cmp[0]][1])
+            held = now
+            if t + 1 in lengths:
+                snapshots[t + 1] = held[:cap]
+        width = max((r[1] - r[0] + 1 for h in snapshots.values() for r in h if r), default=1)
+        index = torch.full((len(lengths), cap, width), -1, dtype=torch.int64)
+        for i, n in enumerate(lengths):
+            for slot, r in enumerate(snapshots.get(n, [None] * cap)):
+                if r:
+                    index[i, slot, :r[1] - r[0] + 1] = torch.arange(r[0], r[1] + 1)
+        self._schedules[key] = index.to(dev)
         return self._schedules[key]
+
+    def _insert_prompt(self, lay: CascadeLayout, proxy, n_real) -> torch.Tensor:
+        """Algorithm 1 over a left-aligned prompt (token i has t = i in every row), batched:
+        each slot keeps the best-scored token of its range (`_held_ranges`), one argmax.
+        proxy (p, rows) fp32 scores, n_real (rows,) -> held (capacity, rows) token indices,
+        -1 where a slot stays empty."""
+        p, rows = proxy.shape
+        dev = proxy.device
+        lengths = tuple(sorted(set(n_real.clamp(max=p).tolist())))   # prefill-only host read
+        ranges = self._held_ranges(lay, p, lengths, dev)             # (L, cap, width)
+        group = torch.searchsorted(torch.tensor(lengths, device=dev), n_real.clamp(max=p))
+        index = ranges[group].permute(1, 2, 0)                         # (cap, width, rows)
+        if self.tie_replace:                                           # ties: the youngest
+            index = index.flip(1)
+        cap, width = index.shape[:2]
+        mu = proxy.gather(0, index.clamp(min=0).reshape(cap * width, rows)).view(cap, width, rows)
+        best = mu.masked_fill_(index < 0, float("-inf")).argmax(dim=1, keepdim=True)  # first
+        return index.gather(1, best).squeeze(1)
 
     # ------------------------------------------------------------------ hooks
     def prefill(self, buf, k, v, pos, valid, scores=None):
@@ -223,7 +260,7 @@ class Cascade(Policy):
         self.subcaches(buf)              # its constants are made here, never in a decode step
         dev = k.device
         p, rows = valid.shape
-        cap, sc = buf.capacity, buf.scratch
+        cap = buf.capacity
         order = left_aligned(valid)
         n_real = valid.sum(0)                                                 # (rows,)
         real = torch.arange(p, device=dev).unsqueeze(1) < n_real
@@ -232,39 +269,19 @@ class Cascade(Policy):
         else:   # the EMA-weighted column sums of `prompt_scores`, reduced over heads
             proxy = torch.where(real, scores.float().gather(0, order), 0.0)
             proxy = reduce_heads(proxy, buf.kv_heads, self.reduce)
-        # insert the prompt token by token (left-aligned, so token i has t = i in every row) on
-        # index maps: which prompt token each slot holds, and its score
+        held = self._insert_prompt(lay, proxy, n_real)                # (cap, rows), -1: empty
+        mu = proxy.gather(0, held.clamp(min=0))
         _, hist = self._schedule(lay, p)
-        held = torch.full((cap + 1, rows), -1, dtype=torch.int64, device=dev)
-        mu = torch.zeros(cap + 1, rows, dtype=torch.float32, device=dev)
-        ridx = buf.rows_index
-        all_live = int(n_real.min())             # host reads here are prefill-only (once per call)
-        tie = self.tie_replace
-        for i, (s_t, d_t, cmp) in enumerate(self._schedule_tensors(lay, p, dev)):
-            held[sc] = i
-            mu[sc] = proxy[i]
-            move = None
-            if cmp is not None:
-                a, b = mu[cmp[0]], mu[cmp[1]]
-                move = torch.ones(s_t.shape[0], rows, dtype=torch.bool, device=dev)
-                move[-1] = a >= b if tie else a > b
-            if i >= all_live:                          # rows whose prompt has ended stay put
-                live = (i < n_real).expand(s_t.shape[0], rows)
-                move = live if move is None else move & live
-            if move is not None:
-                s_t, d_t = torch.where(move, s_t, sc), torch.where(move, d_t, sc)
-            held[d_t, ridx] = held[s_t, ridx]
-            mu[d_t, ridx] = mu[s_t, ridx]
         # each row's sub-cache counters as of its last prompt token
         h = torch.tensor([list(a) + list(c) for a, c in hist], device=dev)    # (p+1, 2N)
         at = h[n_real.clamp(max=p)].t()                                       # (2N, rows)
         buf.policy_state["start"].copy_(at[:self.cascades])
         buf.policy_state["count"].copy_(at[self.cascades:])
-        kept = held[:cap] >= 0
-        buf.store_prompt(k, v, pos, valid, scores, keep=held[:cap].clamp(min=0))
+        kept = held >= 0
+        buf.store_prompt(k, v, pos, valid, scores, keep=held.clamp(min=0))
         buf.valid[:cap] &= kept
         buf.pos[:cap].masked_fill_(~kept, -1)
-        buf.state[:cap] = torch.where(kept, mu[:cap], 0.0)
+        buf.state[:cap] = torch.where(kept, mu, 0.0)
         buf.state[:min(self.sinks, cap)] = 0.0
 
     def after_attention(self, buf, slot, probs, scored=False):
