@@ -32,6 +32,10 @@ def test_result_block_and_json(tmp_path):
     assert len(r["step_seconds"]) == 6 and not r["projected"]
     assert r["peak_cpu_rss_gb"] > 0.1                               # measured, not a zero
     assert r["bytes_moved"]["cpu->gpu"] > 0 and r["eviction_s"] > 0
+    assert r["prefill_eviction_s"] > 0 and r["evicts"]           # decode-time work only:
+    assert r["eviction_share_of_decode"] == pytest.approx(r["eviction_s"]
+                                                          / sum(r["step_seconds"][1:]))
+    assert "eviction time: prefill " in proc.stdout
     assert r["run"]["commit"] and r["run"]["torch"] and r["run"]["kernels"]
 
 

@@ -214,3 +214,22 @@ def test_budget_lets_a_larger_batch_fit():
     assert need(64, 4096) > 80 > need(64, 819)
     assert need(24, 4096) == pytest.approx(74.8, rel=0.15)
     assert need(24, 819) == pytest.approx(36.4, rel=0.15)
+
+
+def test_eviction_time_counts_prefill_and_decode_apart(monkeypatch):
+    """The policy hooks' time is split at the prefill: a slow prompt selection shows in
+    `prefill_eviction_seconds` only; a run whose buffers hold every token times nothing."""
+    import time
+    from flexevict.policies.h2o import H2O
+    e = engine("llama-gqa")
+    prompts = rand_prompts([20, 17], seed=1)
+    real = H2O.prefill
+    monkeypatch.setattr(H2O, "prefill", lambda *a, **kw: (time.sleep(0.05), real(*a, **kw))[1])
+    greedy = lambda i, k, h, head: head(h[:, -1] if h.dim() == 3 else h).argmax(-1)  # noqa: E731
+    stats = e.run(prompts, 6, get_policy("h2o", budget_tokens=8), greedy)
+    layers = CONFIGS["llama-gqa"].num_layers
+    assert stats.prefill_eviction_seconds >= 0.05 * layers
+    assert 0 < stats.eviction_seconds < 0.05 * layers / 2
+    for policy in (get_policy("full"), get_policy("h2o", budget_tokens=40)):   # keeps all
+        stats = e.run(prompts, 6, policy, greedy)
+        assert stats.prefill_eviction_seconds == 0 and stats.eviction_seconds == 0

@@ -269,8 +269,8 @@ class _FakeEvent:
 class _FakeTimed(EvictionClock):
     drained: list = []
 
-    def __init__(self, device):
-        super().__init__(torch.device("cuda"))          # the event path, with fake events
+    def __init__(self, device, enabled=True):
+        super().__init__(torch.device("cuda"), enabled)   # the event path, with fake events
 
     _event = staticmethod(_FakeEvent)
 

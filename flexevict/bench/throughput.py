@@ -239,9 +239,11 @@ def _result(args, config, placement, plan, policy, stats, device, n, steps) -> d
         "decode_latency_s": decode,
         "decode_throughput": n * (args.gen_len - 1) / decode if decode > 0 else None,
         "total_latency_s": total, "total_throughput": n * args.gen_len / total,
+        "prefill_eviction_s": stats.prefill_eviction_seconds,
         "eviction_s": stats.eviction_seconds,
         "eviction_share_of_decode": (stats.eviction_seconds / sum(stats.step_seconds[1:])
                                      if len(stats.step_seconds) > 1 else None),
+        "evicts": stats.layout.evicts,
         "bytes_moved": stats.traffic,
         "positions_wrapped": args.ignore_max_positions,
         "placement_auto": has_auto(args),
@@ -252,6 +254,16 @@ def _result(args, config, placement, plan, policy, stats, device, n, steps) -> d
 
 def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def eviction_line(r: dict) -> str:
+    """The policy hooks' time, prefill (prompt selection) and decode apart; the share is of
+    the decode steps' time, decode-time work only."""
+    if not r["evicts"]:
+        return "eviction time: none (the cache holds every token)"
+    share = r["eviction_share_of_decode"]
+    return (f"eviction time: prefill {r['prefill_eviction_s']:.3f} s, decode "
+            f"{r['eviction_s']:.3f} s" + ("" if share is None else f" ({100 * share:.1f}% of decode)"))
 
 
 def format_block(r: dict) -> str:
@@ -272,9 +284,7 @@ def format_block(r: dict) -> str:
         f"{tput(r['total_throughput'])}",
         "policy: " + " ".join(f"{k}={v}" for k, v in r["policy"].items())
         + f"\tbudget cache size: {gb(r['budget_cache_size_gb'])}",
-        f"eviction time: {r['eviction_s']:.3f} s"
-        + ("" if r["eviction_share_of_decode"] is None
-           else f" ({100 * r['eviction_share_of_decode']:.1f}% of decode)"),
+        eviction_line(r),
         "bytes moved: " + (json.dumps({k: f"{v / GIB:.3f} GB" for k, v in r["bytes_moved"].items()})
                            if r["bytes_moved"] else "none"),
         f"device: {r['run_info']['device']}\ttorch {r['run_info']['torch']}\tcuda "

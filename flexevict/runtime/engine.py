@@ -71,7 +71,8 @@ class Run:
 class RunStats:
     layout: Layout | None = None                          # the run's resolved budget
     step_seconds: list = field(default_factory=list)     # per token step, prefill first
-    eviction_seconds: float = 0.0
+    prefill_eviction_seconds: float = 0.0     # policy hooks in the prefill (prompt selection)
+    eviction_seconds: float = 0.0             # policy hooks in the decode steps
     traffic: dict = field(default_factory=dict)
 
 
@@ -207,7 +208,7 @@ class Engine:
         with self.tiers.run_scope():          # the next run reuses this run's pinned KV homes
             cache_tiers = self.placement.cache_tiers(len(sizes))
             run = Run(self._allocate_cache(layout, sizes, cache_tiers, policy.fields(layout)),
-                      cache_tiers, policy, EvictionClock(self.tiers.compute))
+                      cache_tiers, policy, EvictionClock(self.tiers.compute, layout.evicts))
             stats = self._run(run, tokens, valid, pos, sizes, steps, consume, until, limit)
         stats.layout = layout
         self.last_run = stats
@@ -233,12 +234,14 @@ class Engine:
                 _sync(self.tiers.compute)
                 stats.step_seconds.append(time.perf_counter() - t0)
                 run.clock.drain()              # after the synchronize: every event completed
+                if i == 0:
+                    stats.prefill_eviction_seconds = run.clock.seconds()
                 if until is not None and until():
                     break
         finally:
             for lane in self.lanes.values():       # no copy may outlive the run's buffers
                 lane.drain()
-        stats.eviction_seconds = run.clock.seconds()
+        stats.eviction_seconds = run.clock.seconds() - stats.prefill_eviction_seconds
         stats.traffic = self.traffic.as_dict()
         return stats
 
@@ -384,13 +387,17 @@ class EvictionClock:
     model enters it around every policy hook (`Transformer.attention_half(..., clock)`). On
     CUDA the time comes from a pair of events per hook call, read and dropped by `drain()` once
     they have completed (the engine drains after each token step's synchronize, so the pairs
-    never outnumber one step's hook calls)."""
+    never outnumber one step's hook calls). A run whose buffers hold every token evicts
+    nothing: its clock (`enabled` False) times nothing and reads 0."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, enabled: bool = True):
         self._cuda = device.type == "cuda"
+        self._enabled = enabled
         self._spent, self._events, self._start = 0.0, [], None
 
     def __enter__(self):
+        if not self._enabled:
+            return
         if self._cuda:
             self._start = self._event()
             self._start.record()
@@ -398,6 +405,8 @@ class EvictionClock:
             self._start = time.perf_counter()
 
     def __exit__(self, *exc):
+        if not self._enabled:
+            return
         if self._cuda:
             end = self._event()
             end.record()
