@@ -27,7 +27,8 @@ Decisions where the paper is silent:
 - Sinks count inside the budget (as in the authors' code) and are capped at the heavy (prefix)
   slots; "first F" counts each row's real tokens, pads are never sinks.
 - The norm is taken from the cached V of each slot (`buf.v`, bias included, no RoPE), in fp32,
-  recomputed for the candidate slots only; nothing is cached.
+  once, when the token enters the buffer (prefill, or its decode step's commit), and kept in
+  `buf.state`, which travels with the token; decisions multiply by it.
 - Norm: l1 (Sec. 3.2); `norm=l2|linf` give the App. B ablation.
 - GQA: S_k sums the query heads sharing a kv head (the mean's ranking).
 - Budget: the package's `--budget`; the paper's 50% of the prompt is `--budget-tokens` = P/2 + 1.
@@ -118,10 +119,27 @@ class ValueAware:
     def value_aware(self, layout, score, v, pos, valid) -> torch.Tensor:
         """I = S * ||v|| (Eq. 4); the first F real tokens get +inf (never evicted).
         score, pos, valid (n, rows); v (n, rows, d)."""
-        w = self.value_weight(v)
-        imp = score if w is None else score * w
+        return self.weighted(layout, score, self.value_weight(v), pos, valid)
+
+    def weighted(self, layout, score, weight, pos, valid) -> torch.Tensor:
+        """`value_aware` from the value weights (n, rows) already taken (or None)."""
+        imp = score if weight is None else score * weight
         sink = valid & (pos < self.pinned_count(layout))
         return torch.where(sink, float("inf"), imp)
+
+    # ||v|| is fixed once a token exists: it is taken once, when the token enters the buffer,
+    # and kept in `buf.state` (free in both bases), which travels with the token
+    def prefill(self, buf, k, v, pos, valid, scores=None):
+        super().prefill(buf, k, v, pos, valid, scores)
+        weight = self.value_weight(buf.v[:buf.capacity])
+        if buf.layout.evicts and weight is not None:
+            buf.state[:buf.capacity] = weight
+
+    def after_attention(self, buf, slot, probs, scored=False):
+        weight = self.value_weight(buf.v[slot])         # the new token's, before it commits
+        if buf.layout.evicts and weight is not None:
+            buf.state[slot] = weight
+        super().after_attention(buf, slot, probs, scored)
 
     def prefix_rank(self, buf, scores, k, v, pos, valid):
         return self.value_aware(buf.layout, super().prefix_rank(buf, scores, k, v, pos, valid),
@@ -133,8 +151,9 @@ class ValueAware:
 
     def victim_candidates(self, buf):
         slots = candidate_slots(buf, buf.ring_start, True)
-        imp = self.value_aware(buf.layout, self.base_score(buf, slots), buf.v[slots],
-                               buf.pos[slots], buf.valid[slots])
+        weight = None if self.norm == "none" else buf.state[slots]
+        imp = self.weighted(buf.layout, self.base_score(buf, slots), weight,
+                            buf.pos[slots], buf.valid[slots])
         return buf.ring_start, True, imp
 
 

@@ -198,10 +198,15 @@ class KVBuffer:
             self.used += 1
 
     def move(self, src: torch.Tensor | int, dst: torch.Tensor | int) -> None:
-        """Per row, copy slot src[r] into slot dst[r] (all per-slot state travels along)."""
+        """Per row, copy slot src[r] into slot dst[r] (all per-slot state travels along). A
+        slot given as an int is the same for every row: a plain slice, with no gather, and
+        int to int is one copy."""
         rows = self.rows_index
         for t in self.tensors():
-            t[dst, rows] = t[src, rows]
+            if isinstance(dst, int):
+                t[dst] = t[src] if isinstance(src, int) else t[src, rows]
+            else:    # a slice read would alias the slots written (index_put refuses that)
+                t[dst, rows] = t[src].clone() if isinstance(src, int) else t[src, rows]
         self.mark(dst)
 
     def replace(self, victims: torch.Tensor) -> None:
