@@ -1,0 +1,140 @@
+"""What eviction costs and what it buys on a CPU: every seed policy at a 20% budget against
+`full`, at 2048 prompt tokens with 32 and with 256 generated, run by two source trees side by
+side (this checkout, "after", and another, "before": e.g. the commit before a change), case by
+case in alternation so that a disturbance of the shared machine hits both alike.
+
+    git worktree add /tmp/before <commit>
+    python bench/eviction_cost.py --before /tmp/before --out bench/results/eviction_cost_cpu
+
+Each run is `python -m flexevict.bench --model smollm2-135m --prompt-len 2048 --gen-len G
+--gpu-batch-size 8 --threads 2 --policy P [--budget 0.2]` in a fresh process with the tree
+first on PYTHONPATH; each tree keeps its own calibration cache (FLEXEVICT_CACHE_DIR), so the
+prediction each run prints is its own tree's. Writes OUT.md (the tables) and OUT.json (every
+run's bench JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from side_by_side import prepare  # noqa: E402
+
+from flexevict.errors import UserError, cli_errors  # noqa: E402
+
+POLICIES = ("full", "h2o", "buzz", "cascade", "hashevict", "vatp", "tova")
+GEN_LENS = (32, 256)
+
+
+def bench_argv(policy: str, gen_len: int, prompt_len: int) -> list[str]:
+    argv = ["--model", "smollm2-135m", "--prompt-len", str(prompt_len), "--gen-len",
+            str(gen_len), "--gpu-batch-size", "8", "--threads", "2", "--policy", policy]
+    return argv if policy == "full" else argv + ["--budget", "0.2"]
+
+
+def run_case(tree: str, argv: list[str], scratch: str, cache: str) -> dict:
+    """One bench run from `tree` -> its JSON result, or {"error": last stderr line}."""
+    out = os.path.join(scratch, "r.json")
+    env = dict(os.environ, PYTHONPATH=tree, FLEXEVICT_PROGRESS_SECONDS="0",
+               FLEXEVICT_CACHE_DIR=cache)
+    proc = subprocess.run([sys.executable, "-m", "flexevict.bench", *argv, "--json", out],
+                          cwd=tree, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    with open(out) as f:
+        return json.load(f)
+
+
+def summary(r: dict, full: dict | None) -> dict:
+    """The table's numbers of one run (and its ratios to `full`'s run of the same tree)."""
+    if "error" in r:
+        return {"error": r["error"]}
+    decode_evict = r["eviction_s"] if "prefill_eviction_s" in r else None   # after the split
+    pred = r.get("predicted") or {}
+    row = {"prefill_s": r["prefill_latency_s"], "decode_tok_s": r["decode_throughput"],
+           "total_tok_s": r["total_throughput"], "eviction_s": r["eviction_s"],
+           "prefill_eviction_s": r.get("prefill_eviction_s"),
+           "decode_eviction_share": (r["eviction_share_of_decode"] if decode_evict is not None
+                                     else None),
+           "measured_over_predicted": (r["total_throughput"] / pred["throughput"]
+                                       if pred.get("throughput") else None)}
+    if full and "error" not in full:
+        row["prefill_vs_full"] = r["prefill_latency_s"] / full["prefill_latency_s"]
+        row["total_vs_full"] = r["total_throughput"] / full["total_throughput"]
+    return row
+
+
+def table(results: dict, gen_len: int, label: str) -> str:
+    fmt = lambda x, p=2: "–" if x is None else f"{x:.{p}f}"  # noqa: E731
+    lines = [f"### {label}, 2048 + {gen_len}", "",
+             "| policy | prefill s | prefill vs full | decode tok/s | eviction (prefill; decode, "
+             "share of decode) | total tok/s | total vs full | planner measured / predicted |",
+             "|---|---|---|---|---|---|---|---|"]
+    for policy in POLICIES:
+        r = results[label][str(gen_len)].get(policy)
+        if r is None:
+            continue
+        s = summary(r, results[label][str(gen_len)].get("full"))
+        if "error" in s:
+            lines.append(f"| {policy} | error: {s['error']} |||||||")
+            continue
+        if s["prefill_eviction_s"] is None:      # the old counter: prefill and decode together
+            evict = f"{s['eviction_s']:.2f} s in all"
+        else:
+            share = s["decode_eviction_share"]
+            evict = (f"{s['prefill_eviction_s']:.2f} s; {s['eviction_s']:.2f} s"
+                     + ("" if share is None else f", {100 * share:.1f}%"))
+        lines.append(f"| {policy} | {fmt(s['prefill_s'], 1)} | {fmt(s.get('prefill_vs_full'))} | "
+                     f"{fmt(s['decode_tok_s'], 1)} | {evict} | {fmt(s['total_tok_s'])} | "
+                     f"{fmt(s.get('total_vs_full'))} | {fmt(s['measured_over_predicted'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--before", required=True, metavar="DIR", help="the other source tree")
+    ap.add_argument("--policy", action="append", default=[], choices=POLICIES,
+                    help="only these policies (default: all seven)")
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.md, .json")
+    args = ap.parse_args(argv)
+    with cli_errors("bench/eviction_cost.py"):
+        if args.prompt_len < 1:
+            raise UserError(f"--prompt-len {args.prompt_len}: must be >= 1")
+        trees = {"before": prepare(args.before), "after": ROOT}
+        policies = args.policy or list(POLICIES)
+        results = {label: {str(g): {} for g in GEN_LENS} for label in trees}
+        with tempfile.TemporaryDirectory() as scratch:
+            caches = {label: os.path.join(scratch, f"cache-{label}") for label in trees}
+            for g in GEN_LENS:
+                for n, policy in enumerate(policies):
+                    order = list(trees.items())
+                    for label, tree in (order if n % 2 == 0 else reversed(order)):
+                        r = run_case(tree, bench_argv(policy, g, args.prompt_len), scratch,
+                                     caches[label])
+                        results[label][str(g)][policy] = r
+                        print(f"{label} 2048+{g} {policy}: "
+                              + (r["error"] if "error" in r else
+                                 f"{r['total_throughput']:.2f} token/s"), file=sys.stderr,
+                              flush=True)
+        text = "\n\n".join(table(results, g, label) for g in GEN_LENS for label in trees)
+        commands = {f"{policy}@{g}": "python -m flexevict.bench "
+                    + " ".join(bench_argv(policy, g, args.prompt_len))
+                    for policy in policies for g in GEN_LENS}
+        with open(args.out + ".md", "w") as f:
+            f.write(text + "\n")
+        with open(args.out + ".json", "w") as f:
+            json.dump({"before": trees["before"], "commands": commands, "runs": results}, f,
+                      indent=1)
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
