@@ -108,7 +108,8 @@ def main(argv=None):
     with cli_errors("bench/eviction_cost.py"):
         if args.prompt_len < 1:
             raise UserError(f"--prompt-len {args.prompt_len}: must be >= 1")
-        trees = {"before": prepare(args.before), "after": ROOT}
+        # both prepared: a tree other than the installed one must import its own policies
+        trees = {"before": prepare(args.before), "after": prepare(ROOT)}
         policies = args.policy or list(POLICIES)
         results = {label: {str(g): {} for g in GEN_LENS} for label in trees}
         with tempfile.TemporaryDirectory() as scratch:
