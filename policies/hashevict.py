@@ -40,7 +40,7 @@ import torch
 
 from flexevict.core import kernels
 from flexevict.errors import UserError
-from flexevict.core.kernels import WORD_BITS, hamming, hash_codes, popcount
+from flexevict.core.kernels import WORD_BITS, hash_codes
 from flexevict.core.kv import Field, KVBuffer, gather_prompt, left_aligned
 
 from flexevict.policies.registry import register
@@ -254,11 +254,15 @@ class HashEvict(RingPolicy):
         if not buf.layout.evicts:
             return
         proj = self._proj(buf)
-        hk = hash_codes(buf.k[slot], proj)                          # (rows, W)
+        if slot != buf.scratch or self.hash_source == "key":
+            hk = hash_codes(buf.k[slot], proj)                      # (rows, W)
+            hq = hk.unsqueeze(1)
+        else:                                 # the key and the group's queries in one call
+            codes = hash_codes(torch.cat([buf.k[slot].unsqueeze(1), q], dim=1), proj)
+            hk, hq = codes[:, 0], codes[:, 1:]                      # (rows, W), (rows, g, W)
         self._put(buf, slot, hk)
         if slot != buf.scratch:
             return
-        hq = hash_codes(q, proj) if self.hash_source == "query" else hk.unsqueeze(1)
         # empty first, else the farthest; ties: the oldest; valid sinks stay (one launch)
         codes = None if self.in_state else buf.policy_state["hash"]
         buf.policy_state["victims"].copy_(kernels.hash_victims(buf, hq, self.sinks, codes))

@@ -14,7 +14,8 @@ from flexevict.runtime.generation import Sampling, generate
 from flexevict.core.kv import KVBuffer
 from flexevict.core import kernels
 from flexevict.policies import get_policy
-from flexevict.policies.hashevict import hamming, hash_codes, popcount, projection
+from flexevict.core.kernels import hamming, hash_codes, popcount
+from flexevict.policies.hashevict import projection
 
 NAME = "hashevict"
 
