@@ -10,7 +10,8 @@ Each run is `python -m flexevict.bench --model smollm2-135m --prompt-len 2048 --
 --gpu-batch-size 8 --threads 2 --policy P [--budget 0.2]` in a fresh process with the tree
 first on PYTHONPATH; each tree keeps its own calibration cache (FLEXEVICT_CACHE_DIR), so the
 prediction each run prints is its own tree's. Writes OUT.md (the tables) and OUT.json (every
-run's bench JSON).
+run's bench JSON). --model, --prompt-len, --gen-len and --batch change the case (the committed
+results use the defaults).
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ POLICIES = ("full", "h2o", "buzz", "cascade", "hashevict", "vatp", "tova")
 GEN_LENS = (32, 256)
 
 
-def bench_argv(policy: str, gen_len: int, prompt_len: int) -> list[str]:
-    argv = ["--model", "smollm2-135m", "--prompt-len", str(prompt_len), "--gen-len",
-            str(gen_len), "--gpu-batch-size", "8", "--threads", "2", "--policy", policy]
+def bench_argv(policy: str, gen_len: int, args) -> list[str]:
+    argv = ["--model", args.model, "--prompt-len", str(args.prompt_len), "--gen-len",
+            str(gen_len), "--gpu-batch-size", str(args.batch), "--threads", "2",
+            "--policy", policy]
     return argv if policy == "full" else argv + ["--budget", "0.2"]
 
 
@@ -71,9 +73,9 @@ def summary(r: dict, full: dict | None) -> dict:
     return row
 
 
-def table(results: dict, gen_len: int, label: str) -> str:
+def table(results: dict, prompt_len: int, gen_len: int, label: str) -> str:
     fmt = lambda x, p=2: "–" if x is None else f"{x:.{p}f}"  # noqa: E731
-    lines = [f"### {label}, 2048 + {gen_len}", "",
+    lines = [f"### {label}, {prompt_len} + {gen_len}", "",
              "| policy | prefill s | prefill vs full | decode tok/s | eviction (prefill; decode, "
              "share of decode) | total tok/s | total vs full | planner measured / predicted |",
              "|---|---|---|---|---|---|---|---|"]
@@ -102,33 +104,38 @@ def main(argv=None):
     ap.add_argument("--before", required=True, metavar="DIR", help="the other source tree")
     ap.add_argument("--policy", action="append", default=[], choices=POLICIES,
                     help="only these policies (default: all seven)")
+    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--gen-len", type=int, action="append", default=[],
+                    help="generated tokens (repeatable; default 32 and 256)")
+    ap.add_argument("--batch", type=int, default=8, help="--gpu-batch-size of every run")
     ap.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.md, .json")
     args = ap.parse_args(argv)
+    gen_lens = args.gen_len or list(GEN_LENS)
     with cli_errors("bench/eviction_cost.py"):
-        if args.prompt_len < 1:
-            raise UserError(f"--prompt-len {args.prompt_len}: must be >= 1")
+        if min(args.prompt_len, args.batch, *gen_lens) < 1:
+            raise UserError("--prompt-len, --gen-len and --batch must be >= 1")
         # both prepared: a tree other than the installed one must import its own policies
         trees = {"before": prepare(args.before), "after": prepare(ROOT)}
         policies = args.policy or list(POLICIES)
-        results = {label: {str(g): {} for g in GEN_LENS} for label in trees}
+        results = {label: {str(g): {} for g in gen_lens} for label in trees}
         with tempfile.TemporaryDirectory() as scratch:
             caches = {label: os.path.join(scratch, f"cache-{label}") for label in trees}
-            for g in GEN_LENS:
+            for g in gen_lens:
                 for n, policy in enumerate(policies):
                     order = list(trees.items())
                     for label, tree in (order if n % 2 == 0 else reversed(order)):
-                        r = run_case(tree, bench_argv(policy, g, args.prompt_len), scratch,
-                                     caches[label])
+                        r = run_case(tree, bench_argv(policy, g, args), scratch, caches[label])
                         results[label][str(g)][policy] = r
-                        print(f"{label} 2048+{g} {policy}: "
+                        print(f"{label} {args.prompt_len}+{g} {policy}: "
                               + (r["error"] if "error" in r else
                                  f"{r['total_throughput']:.2f} token/s"), file=sys.stderr,
                               flush=True)
-        text = "\n\n".join(table(results, g, label) for g in GEN_LENS for label in trees)
+        text = "\n\n".join(table(results, args.prompt_len, g, label)
+                             for g in gen_lens for label in trees)
         commands = {f"{policy}@{g}": "python -m flexevict.bench "
-                    + " ".join(bench_argv(policy, g, args.prompt_len))
-                    for policy in policies for g in GEN_LENS}
+                    + " ".join(bench_argv(policy, g, args)) for policy in policies
+                    for g in gen_lens}
         with open(args.out + ".md", "w") as f:
             f.write(text + "\n")
         with open(args.out + ".json", "w") as f:

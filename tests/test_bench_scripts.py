@@ -53,6 +53,16 @@ def check_side_by_side(out, stdout, tmp):
     assert case["case"] == "opt-125m-memory-full" and "| case |" in stdout
 
 
+def check_eviction_cost(out, stdout, tmp):
+    r = _json(out)                                   # PREFIX.json
+    for label in ("before", "after"):
+        runs = r["runs"][label]["4"]
+        assert set(runs) == {"full", "h2o"}
+        assert all(run["total_throughput"] > 0 for run in runs.values())
+    assert r["runs"]["after"]["4"]["h2o"]["prefill_eviction_s"] > 0
+    assert "### after, 16 + 4" in stdout and "| h2o |" in stdout
+
+
 def check_suites(out, stdout, tmp):
     assert "call 1: FLEXEVICT_COMMIT=" in stdout
     assert "-m flexevict.calibrate --device cuda" in stdout
@@ -98,6 +108,10 @@ CASES = {
     # one CPU case, one round, 2 tokens, against a copy of this same tree
     "side_by_side.py": (["--before", "BEFORE", "--rounds", "1", "--case", "opt-125m-memory-full",
                          "--gen-len", "2", "--out", "PREFIX"], check_side_by_side),
+    # two policies, a 16-token prompt, 4 tokens, against a copy of this same tree
+    "eviction_cost.py": (["--before", "BEFORE", "--policy", "full", "--policy", "h2o",
+                          "--prompt-len", "16", "--gen-len", "4", "--batch", "2",
+                          "--out", "PREFIX"], check_eviction_cost),
     # the GPU calls' plan (every suite of them needs a GPU; the CPU suite takes minutes)
     "suites.py": (["gpu", "--dry-run"], check_suites),
     # kvpress lives in its own environment (transformers < 5.3): its command line only
