@@ -262,8 +262,9 @@ def eviction_line(r: dict) -> str:
     if not r["evicts"]:
         return "eviction time: none (the cache holds every token)"
     share = r["eviction_share_of_decode"]
+    of_decode = "" if share is None else f" ({100 * share:.1f}% of decode)"
     return (f"eviction time: prefill {r['prefill_eviction_s']:.3f} s, decode "
-            f"{r['eviction_s']:.3f} s" + ("" if share is None else f" ({100 * share:.1f}% of decode)"))
+            f"{r['eviction_s']:.3f} s{of_decode}")
 
 
 def format_block(r: dict) -> str:
