@@ -34,6 +34,14 @@ POLICIES = ("full", "h2o", "buzz", "cascade", "hashevict", "vatp", "tova")
 GEN_LENS = (32, 256)
 
 
+def this_tree() -> str:
+    """ROOT, which imports its own policies: through the installed package when it is the
+    installed tree, else through the link `prepare` makes (a worktree of this checkout)."""
+    import flexevict.policies
+    installed = os.path.dirname(os.path.dirname(os.path.realpath(flexevict.policies.__file__)))
+    return ROOT if installed == os.path.realpath(ROOT) else prepare(ROOT)
+
+
 def bench_argv(policy: str, gen_len: int, args) -> list[str]:
     argv = ["--model", args.model, "--prompt-len", str(args.prompt_len), "--gen-len",
             str(gen_len), "--gpu-batch-size", str(args.batch), "--threads", "2",
@@ -115,8 +123,7 @@ def main(argv=None):
     with cli_errors("bench/eviction_cost.py"):
         if min(args.prompt_len, args.batch, *gen_lens) < 1:
             raise UserError("--prompt-len, --gen-len and --batch must be >= 1")
-        # both prepared: a tree other than the installed one must import its own policies
-        trees = {"before": prepare(args.before), "after": prepare(ROOT)}
+        trees = {"before": prepare(args.before), "after": this_tree()}
         policies = args.policy or list(POLICIES)
         results = {label: {str(g): {} for g in gen_lens} for label in trees}
         with tempfile.TemporaryDirectory() as scratch:
