@@ -66,13 +66,11 @@ def summary(r: dict, full: dict | None) -> dict:
     """The table's numbers of one run (and its ratios to `full`'s run of the same tree)."""
     if "error" in r:
         return {"error": r["error"]}
-    decode_evict = r["eviction_s"] if "prefill_eviction_s" in r else None   # after the split
     pred = r.get("predicted") or {}
     row = {"prefill_s": r["prefill_latency_s"], "decode_tok_s": r["decode_throughput"],
            "total_tok_s": r["total_throughput"], "eviction_s": r["eviction_s"],
-           "prefill_eviction_s": r.get("prefill_eviction_s"),
-           "decode_eviction_share": (r["eviction_share_of_decode"] if decode_evict is not None
-                                     else None),
+           "prefill_eviction_s": r.get("prefill_eviction_s"),     # None: before the split
+           "decode_eviction_share": r["eviction_share_of_decode"],
            "measured_over_predicted": (r["total_throughput"] / pred["throughput"]
                                        if pred.get("throughput") else None)}
     if full and "error" not in full:

@@ -47,7 +47,7 @@ from flexevict.policies.registry import register
 from flexevict.policies.base import RingPolicy
 
 STATE_BITS = 24         # fp32 holds every integer below 2**24 exactly
-KEY_CHUNK_VALUES = 1 << 20   # replay keys computed at once (steps x rows x S fp32: 4 MiB, in cache)
+KEY_CHUNK_VALUES = 1 << 20   # replay keys made at once: steps x rows x S fp32, 4 MiB (in cache)
 
 
 # ------------------------------------------------------------------------------ hashing

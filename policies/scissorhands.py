@@ -24,8 +24,9 @@ Decisions where the paper is silent:
 - `score=attention`: the VATP paper's reading (its Eq. 3): importance = attention summed over
   the last `window` queries (`window=0`: over all queries, the VATP authors' code).
 - Prompt: the model folds the prompt attention with `prompt_scores` (the `fold` of
-  kernels.prefill_attention_scores) into the last `window` prompt queries' statistic; when the prompt
-  does not fit, Algorithm 2 runs once: the last `recent` prompt tokens stay, the rest are ranked.
+  kernels.prefill_attention_scores) into the last `window` prompt queries' statistic; when the
+  prompt does not fit, Algorithm 2 runs once: the last `recent` prompt tokens stay, the rest are
+  ranked.
 - Policy state beyond score/state is declared by `fields()` (`kv.Field`: `hist`, `step`) and
   lives in `buf.policy_state[...]`.
 

@@ -16,8 +16,8 @@ Decisions where the paper is silent (following the authors' code where it says m
   so all of them drop the same token (the paper's "TOVA-layer").
 - Ties: the oldest token goes; empty/pad slots are taken first.
 - Prefill: the model folds the prompt attention with `prompt_scores` (the `fold` of
-  kernels.prefill_attention_scores), giving the LAST prompt query's attention; the top-k prompt tokens
-  by it are kept (ties: the newest kept), in position order.
+  kernels.prefill_attention_scores), giving the LAST prompt query's attention; the top-k
+  prompt tokens by it are kept (ties: the newest kept), in position order.
 - `buf.score` holds the current step's score only (TOVA keeps no memory across steps).
 
 Notes: policies/README.md#tova

@@ -129,16 +129,18 @@ class ValueAware:
 
     # ||v|| is fixed once a token exists: it is taken once, when the token enters the buffer,
     # and kept in `buf.state` (free in both bases), which travels with the token
+    def keep_weight(self, buf, slots) -> None:
+        """buf.state[slots] = the value weight of those slots, when a decision will read it
+        (an evicting run with a norm; `victim_candidates`)."""
+        if buf.layout.evicts and self.norm != "none":
+            buf.state[slots] = self.value_weight(buf.v[slots])
+
     def prefill(self, buf, k, v, pos, valid, scores=None):
         super().prefill(buf, k, v, pos, valid, scores)
-        weight = self.value_weight(buf.v[:buf.capacity])
-        if buf.layout.evicts and weight is not None:
-            buf.state[:buf.capacity] = weight
+        self.keep_weight(buf, slice(0, buf.capacity))
 
     def after_attention(self, buf, slot, probs, scored=False):
-        weight = self.value_weight(buf.v[slot])         # the new token's, before it commits
-        if buf.layout.evicts and weight is not None:
-            buf.state[slot] = weight
+        self.keep_weight(buf, slot)                     # the new token's, before it commits
         super().after_attention(buf, slot, probs, scored)
 
     def prefix_rank(self, buf, scores, k, v, pos, valid):
