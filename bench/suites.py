@@ -342,6 +342,7 @@ CALIBRATION_DIR = os.path.join(WHEELS, "calibration")
 CALIBRATION_GLOB = "calibration-*.json"
 SCRATCH = os.path.join(tempfile.gettempdir(), "flexevict-gpu")   # per-case files stay here
 FLEXGEN_SITE = os.path.join(tempfile.gettempdir(), "flexgen-site")
+SITE = os.path.join(tempfile.gettempdir(), "flexevict-site")     # gguf, unpacked
 CALL_LIMIT_MIN = 9.0
 DEADLINE_S = 8.0 * 60               # python start and the last writes fit in the rest
 MAX_FILES = 8                       # what the device tool sends back per call
@@ -363,9 +364,12 @@ class _Parts:
     def __init__(self, call: int, out: str, py: str, so: str | None):
         self.py, self.o = _q(py), _q(out)
         self.res = _q(os.path.join(SCRATCH, f"call{call}"))
-        self.install = Step(          # FLEXEVICT_KERNELS=0: setup.py skips the extension; ~15 s
-            "install", f"FLEXEVICT_KERNELS=0 {self.py} -m pip install -q --no-deps "
-            f"--no-build-isolation --no-index -e . bench/wheels/{WHEEL_GLOBS['gguf']}", 0.5)
+        # no pip install of the package: an editable install needs build isolation, which
+        # reaches for PyPI (none there). The tree runs in place on PYTHONPATH (run_call), with
+        # policies/ linked in as flexevict.policies and gguf unpacked beside it
+        self.install = Step(
+            "install", f"ln -sfn ../policies flexevict/policies && {self.py} -m pip install -q "
+            f"--no-deps --no-index --target {SITE} bench/wheels/{WHEEL_GLOBS['gguf']}", 0.3)
         self.load = f"{self.py} -m flexevict.bench.kernels --load"   # prints where from, time
         # without call 1's .so the kernels are built just in time, for this GPU only: ~1.5 min
         self.kernels = Step(
@@ -536,7 +540,8 @@ def run_call(call: int, out: str, so: str | None = None) -> int:
     steps = gpu_plan(call, os.path.abspath(out), sys.executable, so and os.path.abspath(so))
     commit = git_commit()
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", FLEXEVICT_COMMIT=commit,
-               FLEXEVICT_CACHE_DIR=CALIBRATION_DIR)
+               FLEXEVICT_CACHE_DIR=CALIBRATION_DIR,
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, SITE, os.environ.get("PYTHONPATH")])))
     # no device name here: CUDA stays untouched in this process (each case's JSON names it)
     record = {"call": call, "commit": commit, "steps": []}
     plan_json = os.path.join(out, f"call{call}-plan.json")
