@@ -159,9 +159,9 @@ def test_decode_attention_takes_its_limits_from_the_module(monkeypatch, limits, 
     valid = torch.ones(5, 2, dtype=torch.bool)
     if kernel:
         with pytest.raises(RuntimeError, match="fake decode_attention"):
-            kernels.decode_attention(q, k, k, valid, 0.25)
+            kernels.decode_attention_kernel(q, k, k, valid, 0.25)
     else:                                  # over the module's limit: the reference answers
-        out, probs = kernels.decode_attention(q, k, k, valid, 0.25)
+        out, probs = kernels.decode_attention_kernel(q, k, k, valid, 0.25)
         assert out.shape == (2, 4, 16) and fake.called == []
 
 

@@ -150,6 +150,17 @@ def test_detector_allows_the_sync_free_idioms():
         torch.arange(3).repeat_interleave(2)
 
 
+def test_popcount_table_is_made_on_its_device():
+    """HashEvict's first decode step may build the popcount table: it is made where it is
+    used, not copied from host memory (that copy made the GPU wait: the first H200 run)."""
+    from flexevict.core.kernels import reference
+    reference._bit_counts.cache_clear()
+    x = torch.tensor([0, 5, 2 ** 32 - 1])
+    with NoHostSync():
+        counts = reference.popcount(x)
+    assert counts.tolist() == [0, 2, 32]
+
+
 # ==================================================================== decode: no host sync
 
 BUDGET = dict(budget_tokens=24)          # every policy's minimum fits; 30-token prompts evict

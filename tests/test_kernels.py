@@ -413,7 +413,7 @@ def test_decode_attention_kernel(built, dtype, rows, g, n, d):
     want_score = score.clone()
     want_out, want_p = ref.decode_attention(q, k[:n], v[:n], valid[:n], d ** -0.5, want_score)
     poison()
-    out, p = kernels.decode_attention(q, k[:n], v[:n], valid[:n], d ** -0.5, score)
+    out, p = kernels.decode_attention_kernel(q, k[:n], v[:n], valid[:n], d ** -0.5, score)
     assert rel_err(out, want_out) <= TOL[dtype]
     assert rel_err(p, want_p) <= TOL[dtype]
     assert rel_err(score, want_score) <= max(TOL[dtype], 1e-5)

@@ -186,8 +186,8 @@ def decode_ops(shape: Shape, device, dtype, gen) -> list[Op]:
     buf = full_buffer(shape, device, dtype, gen, kv_heads=shape.heads)
     q = torch.randn(rows, 1, d, generator=gen, device=device).to(dtype)
     ops = [Op("decode_attention + score accumulation",
-              lambda i: kernels.decode_attention(q, buf.k, buf.v, buf.valid, d ** -0.5,
-                                                 buf.score)),
+              lambda i: kernels.decode_attention_kernel(q, buf.k, buf.v, buf.valid, d ** -0.5,
+                                                        buf.score)),
            Op("h2o victim + ring commit", lambda i: kernels.evict_commit(buf, buf.ring_start),
               snapshot(buf)),
            Op("tova victim + replace",

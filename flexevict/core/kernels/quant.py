@@ -115,7 +115,10 @@ def _quantize_reference(x, group, dim, data_shape, stat_shape) -> Packed4bit:
         xt = torch.cat([xt, xt[..., -1:].expand(*xt.shape[:-1], pad)], dim=-1)
     g = xt.reshape(*xt.shape[:-1], -1, group)                        # (..., groups, group)
     low = g.amin(dim=-1, keepdim=True)
-    scale = ((g.amax(dim=-1, keepdim=True) - low) / LEVELS).to(x.dtype)
+    # divided by a tensor, not a Python number: torch's CUDA division by a scalar multiplies by
+    # its reciprocal, one rounding off the kernel's (and the CPU's) true division
+    spread = g.amax(dim=-1, keepdim=True) - low
+    scale = (spread / torch.full_like(spread, LEVELS)).to(x.dtype)
     step = scale.float()
     codes = torch.where(step > 0, ((g - low) / step).round().clamp(0, LEVELS), 0.0)
     codes = codes.to(torch.uint8).flatten(-2)

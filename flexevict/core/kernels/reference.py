@@ -243,10 +243,13 @@ def hash_codes(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _bit_counts(device: str) -> torch.Tensor:
     """Set bits of every 16-bit value: (65536,) uint8 on `device` (64 KiB, made once)."""
-    table = torch.zeros(1 << 16, dtype=torch.uint8)
+    # made on the device itself: a copy from (pageable) host memory would make the GPU's
+    # first decode step wait for the host
+    values = torch.arange(1 << 16, dtype=torch.int32, device=device)
+    table = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
     for b in range(16):
-        table += ((torch.arange(1 << 16) >> b) & 1).to(torch.uint8)
-    return table.to(device)
+        table += ((values >> b) & 1).to(torch.uint8)
+    return table
 
 
 def popcount(x: torch.Tensor) -> torch.Tensor:
