@@ -8,7 +8,7 @@ the case's own), peers side by side in the same run.
     python bench/suites.py bound            # weights streamed from CPU vs the PCIe bound
     python bench/suites.py placement-cpu    # the cost model: predicted vs measured, auto placement
     python bench/suites.py --list
-    python bench/suites.py gpu --dry-run    # the first GPU run: three device calls (README)
+    python bench/suites.py gpu --dry-run    # a GPU run: two device calls (README)
     python bench/suites.py gpu --call N --out DIR
 
 Results: bench/results/<suite>/<case>_<device>.json and a summary <suite>_<device>.md/.json.
@@ -313,31 +313,31 @@ def bound_table(rows: list[dict], bandwidth: float | None) -> str:
 
 # ---------------------------------------------------------------------------- the first GPU run
 #
-# Three device calls, one command each (bench/README.md, "First GPU run"):
+# Two device calls, one command each, the second right after the first while the machine is
+# warm (bench/README.md, "GPU run"):
 #     FLEXEVICT_COMMIT=<sha> python3 bench/suites.py gpu --call N --out $OUT
-# Each starts on a fresh machine (one H100 80 GB, 16 cores, 128 GB RAM, no network; Python 3.12,
-# torch 2.11.0+cu130, nvcc, ninja, transformers; no gguf, no flexgen: their wheels travel in
-# bench/wheels/) with the working tree copied in (no .git: the commit comes in the environment),
-# must end within 9 minutes and may send back at most 8 files. Every step's output goes to one
-# log; a failed step is recorded and the call goes on; no step starts or runs past DEADLINE_S.
+# The machine (an H100 or H200, 16 cores, 128 GB RAM, no network; Python 3.12, torch
+# 2.11.0+cu130, nvcc, ninja, pytest-xdist, pytest-timeout, transformers; no gguf, no flexgen:
+# their wheels travel in bench/wheels/) gets the working tree copied in; each call must end
+# within 9 minutes and may send back at most 8 files. Every step's output goes to one log; a
+# failed step is recorded and the call goes on; no step starts or runs past DEADLINE_S.
 #
-# Estimates (minutes on that H100), from FlexGen/H2O-scale arithmetic. OPT-6.7B in fp16 is
+# Estimates (minutes) from the first H200 run (bench/results/README.md). OPT-6.7B in fp16 is
 # 13.4 GB; its KV cache is 0.5 MB per token per sequence (2 x 32 layers x 4096 x 2 bytes), so
-# batch 24 at 2048 + 2048 tokens holds 51.5 GB at the end. A decode step reads the weights and
-# the live cache once: at ~3 TB/s that is 15-25 ms; with kernel launch overheads 30-60 ms for
-# `full` at batch 24, so 2047 steps take 1-2 minutes; a 20% budget (819 slots) reads ~10 GB, ~25
-# ms. Prefill of 24 x 2048 tokens is ~0.7 PFLOP: ~1-2 s. Every case is its own process: python
-# and torch start, 13.4 GB of dummy weights made on the GPU, the warm-up (WARMUP_PROMPT +
-# WARMUP_TOKENS tokens, flexevict/bench/throughput.py): ~20-30 s before its clock starts.
+# batch 24 at 2048 + 2048 tokens holds 48 GiB at the end. A decode step there took ~20 ms
+# (host-bound: the weights and a 20% cache read in ~5 ms at 4.3 TB/s); prefill of 24 x 2048
+# tokens ~1.8 s. Every case is its own process: python and torch start, 13.4 GB of dummy
+# weights made on the GPU, the warm-up (WARMUP_PROMPT + WARMUP_TOKENS tokens,
+# flexevict/bench/throughput.py): ~20-30 s before its clock starts.
 
 WHEELS = os.path.join(HERE, "wheels")
 WHEEL_GLOBS = {"gguf": "gguf-*.whl", "flexgen": "flexgen-0.1.8-*.whl"}
 DOWNLOAD = "pip download --no-deps gguf==0.19.0 flexgen==0.1.8 -d bench/wheels"
 SO_GLOB = "_C.*.so"                        # the built extension, flexevict/_C.<abi>.so
-KNOWN_SO = "bench/wheels/" + SO_GLOB        # where calls 2 and 3 look for call 1's kernels
+KNOWN_SO = "bench/wheels/" + SO_GLOB        # where call 2 looks for carried kernels
 # the GPU's calibration for the cost model (flexevict.calibrate) is cached here, not in ~/.cache:
 # call 1 measures it and sends it back; put into this folder (untracked, not ignored) it travels
-# with the tree to calls 2 and 3, whose benches then predict with it instead of measuring again
+# with the tree to call 2, whose benches then predict with it instead of measuring again
 CALIBRATION_DIR = os.path.join(WHEELS, "calibration")
 CALIBRATION_GLOB = "calibration-*.json"
 SCRATCH = os.path.join(tempfile.gettempdir(), "flexevict-gpu")   # per-case files stay here
@@ -352,14 +352,14 @@ MAX_FILES = 8                       # what the device tool sends back per call
 class Step:
     name: str
     cmd: str                        # a bash command line, run in the repository root
-    minutes: float                  # estimated wall time on the H100
+    minutes: float                  # estimated wall time on the GPU machine
     outputs: tuple = ()             # files it writes into the call's folder (names, or globs)
     ok: tuple = (0,)                # exit codes that mean it worked
     fallback_min: float = 0.0       # more minutes when its fallback path runs
 
 
 class _Parts:
-    """What the three calls share: the python, the folders, the install and kernel steps."""
+    """What the calls share: the python, the folders, the install and kernel steps."""
 
     def __init__(self, call: int, out: str, py: str, so: str | None):
         self.py, self.o = _q(py), _q(out)
@@ -378,8 +378,8 @@ class _Parts:
             fallback_min=1.3)
         cached = f"bench/wheels/calibration/{CALIBRATION_GLOB}"
         calibrate = f"{self.py} -m flexevict.calibrate --device cuda"
-        # call 1 measures the GPU for the cost model (~1 min); calls 2 and 3 use call 1's when
-        # carried, else a --quick one (seconds; the benches' predictions say "quick")
+        # call 1 measures the GPU for the cost model (~1 min); call 2 uses it when carried
+        # (or left on the warm machine), else a --quick one (seconds; the benches' predictions say "quick")
         self.calibrate = (
             Step("calibrate", calibrate, 1.0) if call == 1 else
             Step("calibration", f"(ls {cached} 2>/dev/null && echo 'calibration carried from "
@@ -405,63 +405,55 @@ BS24 = "opt-6.7b-2048+2048-bs24-"
 
 
 def _call1(p: _Parts) -> list[Step]:
-    """The first look, sized for a 15-minute lease (one machine start plus this call): the
-    kernels just in time for this GPU only, every GPU-only test in parallel workers, then the
-    benches most worth their minutes, in that order; the deadline skips what does not fit
-    (calls 2 and 3 hold the rest)."""
+    """Correctness and the headline, sized for a 15-minute lease (one machine start, this call
+    and call 2 right after it while the machine is warm): the kernels just in time for this
+    GPU, every GPU-only test in parallel workers, the cost model's GPU calibration, h2o 20% vs
+    full uncut, the kernel benchmark. The deadline skips what does not fit."""
     return [
         p.install,
-        # torch's just-in-time build under ninja for this GPU's architecture alone (~1 min);
-        # every later process loads it from torch's extension cache
-        Step("build kernels", f"{p.load}", 1.2),
+        # torch's just-in-time build under ninja for this GPU's architecture alone (32 s on
+        # the first H200 run); every later process loads it from torch's extension cache
+        Step("build kernels", f"{p.load}", 0.6),
         # every test that skips without CUDA (tests/test_kernels.py included) in 8 workers,
-        # each test at most 120 s: ~270 tests, most of them small-shape kernel checks
+        # each test at most 120 s: 274 tests in 32 s on the first H200 run
         Step("GPU tests", f"{p.py} -m pytest -p flexevict.bench.gpu_tests tests -n 8 "
              "--timeout 120 --continue-on-collection-errors -q -rs -p no:cacheprovider "
-             f"--junitxml={p.o}/call1-gpu-tests.xml", 1.5, ("call1-gpu-tests.xml",),
+             f"--junitxml={p.o}/call1-gpu-tests.xml", 0.8, ("call1-gpu-tests.xml",),
              ok=(0, 5)),
-        Step("calibration", f"{p.py} -m flexevict.calibrate --device cuda --quick", 0.2),
-        # h2o 20% vs full, both cut at 128 steps, ~30 s of start, weights and warm-up each
-        p.suite("h2o", [BS24 + "h2o", BS24 + "full"], "call1-h2o-bs24.json", 1.2, cut=128),
+        # the whole calibration: a --quick one predicted the H200's steps 5-40x too slow
+        p.calibrate,
+        # 2047 steps of ~20 ms each (host-bound on the first H200 run) plus ~30 s of start,
+        # weights and warm-up per case
+        p.suite("h2o", [BS24 + "h2o", BS24 + "full"], "call1-h2o-bs24.json", 2.4),
         Step("kernel benchmark", f"{p.py} -m flexevict.bench.kernels --json "
-             f"{p.o}/call1-kernels.json", 1.0, ("call1-kernels.json",)),
-        p.suite("bound", ["opt-6.7b-weights-cpu-bs8"], "call1-bound.json", 0.8),
-        p.suite("h2o-policies", [BS24 + n for n in ("cascade", "hashevict", "buzz", "vatp")],
-                "call1-policies.json", 1.5),
+             f"{p.o}/call1-kernels.json", 0.8, ("call1-kernels.json",)),
         p.calibration_back,
     ]
 
 
 def _call2(p: _Parts) -> list[Step]:
+    """The rest, on the machine call 1 left warm: batch 64, the other seed policies, the PCIe
+    bound, FlexGen side by side."""
+    policies = [BS24 + n for n in ("cascade", "hashevict", "buzz", "vatp")]
     return [
         p.install, p.kernels, p.calibrate,
-        # 2047 steps at 30-60 ms (the cache read grows from 26 to 51 GB a step), and the start
-        p.suite("h2o", [BS24 + "full"], "call2-full-uncut.json", 2.5),
+        # batch 64: h2o 20% fits; full (167 GiB of cache) fails its preflight in seconds
+        p.suite("h2o", ["opt-6.7b-2048+2048-bs64-h2o", "opt-6.7b-2048+2048-bs64-full"],
+                "call2-h2o-bs64.json", 1.0, cut=256),
+        p.suite("h2o-policies", policies, "call2-policies.json", 2.4, cut=256),
+        p.suite("bound", ["opt-6.7b-weights-cpu-bs8", "opt-6.7b-weights-cpu-bs32"],
+                "call2-bound.json", 1.5),
         Step("flexgen install", f"{p.py} -m pip install -q --no-deps --no-index --target "
              f"{FLEXGEN_SITE} bench/wheels/{WHEEL_GLOBS['flexgen']}", 0.1),
         # flexevict ~0.5; FlexGen makes its all-ones weights as host arrays and copies them
         # (13.4 GB, ~1 min), warms up and runs 512 + 32 at batch 2 (~10 s)
         p.suite("flexgen", ["opt-6.7b"], "call2-flexgen.json", 2.0,
                 env=f"FLEXGEN_PYTHON={p.py} PYTHONPATH={FLEXGEN_SITE} "),
-        p.suite("bound", ["opt-6.7b-weights-cpu-bs32", "opt-13b-weights-cpu-bs8"],
-                "call2-bound.json", 1.5),
         p.calibration_back,
     ]
 
 
-def _call3(p: _Parts) -> list[Step]:
-    return [
-        p.install, p.kernels, p.calibrate,
-        # batch 64: h2o 20% fits (27.5 GB of cache; prefill ~3 s, 63 steps x 40 ms), full (137
-        # GB of cache) fails its preflight in seconds
-        p.suite("h2o", ["opt-6.7b-2048+2048-bs64-h2o", "opt-6.7b-2048+2048-bs64-full"],
-                "call3-h2o-bs64.json", 1.0),
-        p.suite("h2o", [BS24 + "h2o", BS24 + "full"], "call3-h2o-bs24.json", 1.5, cut=256),
-        p.calibration_back,
-    ]
-
-
-GPU_CALLS = {1: _call1, 2: _call2, 3: _call3}
+GPU_CALLS = {1: _call1, 2: _call2}
 
 
 def call_files(call: int, steps: list[Step]) -> list[str]:
@@ -620,7 +612,7 @@ def main(argv=None):
     ap.add_argument("--call", type=int, choices=sorted(GPU_CALLS), help="gpu: which device call")
     ap.add_argument("--dry-run", action="store_true", help="gpu: print the plan, run nothing")
     ap.add_argument("--so", default=None, metavar="PATH",
-                    help=f"gpu calls 2, 3: call 1's built kernels (default: {KNOWN_SO})")
+                    help=f"gpu call 2: carried built kernels (default: {KNOWN_SO})")
     args = ap.parse_args(argv)
     with cli_errors("bench/suites.py"):
         if args.suite == "gpu":

@@ -55,6 +55,16 @@ def test_projection_extrapolates_the_measured_trend():
     assert projected and latency == pytest.approx(1 + 1 + 2 + 3 + 4 + 5 + 6)
 
 
+def test_projection_never_extrapolates_a_falling_line():
+    """Flat steps with noise that happens to fall (the first H200 run's h2o case) project at
+    their mean: a fitted negative slope would make the missing steps free."""
+    steps = [5.0] + [0.0190 - 0.00002 * i for i in range(63)]
+    latency, projected = project_decode(steps, 2048)
+    mean = sum(steps[2:]) / 62
+    assert projected
+    assert latency == pytest.approx(sum(steps[1:]) + mean * (2047 - 63))
+
+
 def test_model_too_big_for_memory_gives_estimate_and_fix():
     proc = run("bench", "--model", "opt-175b", "--device", "cpu", "--gpu-batch-size", "1")
     assert_user_error(proc, "out of CPU memory", "opt-175b", "GiB", "--percent", "--compress-weight")
@@ -157,6 +167,18 @@ def test_commit_is_read_once_per_process(monkeypatch):
     finally:
         machine.git_commit.cache_clear()
     assert len(reads) == 1
+
+
+def test_commit_from_the_environment_wins_over_a_found_git(monkeypatch):
+    """A tree copied to a GPU machine can carry a stale .git (the first H200 run recorded an
+    old commit): the commit the GPU plan passes in $FLEXEVICT_COMMIT is the one recorded."""
+    from flexevict.runtime import machine
+    monkeypatch.setenv("FLEXEVICT_COMMIT", "b" * 40)
+    machine.git_commit.cache_clear()
+    try:
+        assert machine.run_metadata()["commit"] == "b" * 40
+    finally:
+        machine.git_commit.cache_clear()
 
 
 def test_bench_runs_without_git_on_path(tmp_path):

@@ -1,4 +1,4 @@
-"""bench/suites.py: the first GPU run's three device calls (dry run, file count, deadline, a
+"""bench/suites.py: a GPU run's two device calls (dry run, file count, deadline, a
 failed step does not stop the call), the suites' case selection, and the peer skipped where the
 engine's case cannot fit. Everything here runs on a CPU with a fake command runner."""
 import fnmatch
@@ -60,16 +60,16 @@ def files_under(folder):
 
 # ------------------------------------------------------------------------------ the plan
 
-def test_dry_run_prints_three_calls_each_under_nine_minutes():
+def test_dry_run_prints_two_calls_each_under_nine_minutes():
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "suites.py"), "gpu", "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     calls = re.findall(r"^call (\d): FLEXEVICT_COMMIT=\S+ python3 bench/suites.py gpu --call \1 "
                        r"--out \$OUT$", out, re.M)
-    assert calls == ["1", "2", "3"]
+    assert calls == ["1", "2"]
     totals = re.findall(r"^  total ([\d.]+) min(?: \(([\d.]+) if [^)]*\))?, limit 9;", out, re.M)
-    assert len(totals) == 3
+    assert len(totals) == 2
     for total, worst in totals:
         assert 0 < float(total) < 9 and float(worst or total) < 9
     step = re.compile(r"^ +([\d.]+) min  (.+?): (.+)$", re.M)
@@ -78,14 +78,14 @@ def test_dry_run_prints_three_calls_each_under_nine_minutes():
         assert sum(float(m) for m, _, _ in step.findall(block)) == pytest.approx(float(total),
                                                                                 abs=0.051)
     cmds = " ".join(cmd for _, _, cmd in step.findall(out))
-    for needle in ("pip install -q --no-deps --no-build-isolation --no-index -e .",
-                   "setup.py -q build_ext --inplace", "CUDA_LAUNCH_BLOCKING=1",
-                   "flexevict.bench.kernels --json", "-p flexevict.bench.gpu_tests",
+    for needle in ("ln -sfn ../policies flexevict/policies", "--no-index --target",
+                   "flexevict.bench.kernels --load", "flexevict.bench.kernels --json",
+                   "-p flexevict.bench.gpu_tests", "-n 8 --timeout 120",
                    "FLEXGEN_PYTHON=", "--cut-gen-len 256"):
         assert needle in cmds, needle
 
 
-@pytest.mark.parametrize("call", [1, 2, 3])
+@pytest.mark.parametrize("call", [1, 2])
 def test_each_call_sends_back_at_most_eight_files(call):
     steps = suites.gpu_plan(call, "/out")
     files = suites.call_files(call, steps)
@@ -95,7 +95,7 @@ def test_each_call_sends_back_at_most_eight_files(call):
     assert sum(s.minutes + s.fallback_min for s in steps) < suites.CALL_LIMIT_MIN
 
 
-@pytest.mark.parametrize("call", [1, 2, 3])
+@pytest.mark.parametrize("call", [1, 2])
 def test_plan_cases_exist_in_their_suites(call):
     """A typo in a case name would only show on the GPU machine, as a lost step."""
     for step in suites.gpu_plan(call, "/out"):
@@ -109,7 +109,7 @@ def test_plan_cases_exist_in_their_suites(call):
 def test_call_continues_after_a_failure_and_keeps_eight_files(tmp_path, wheels, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
-    fake = FakeRunner(out, fail={"kernel tests"})
+    fake = FakeRunner(out, fail={"GPU tests"})
     monkeypatch.setattr(suites, "run_shell", fake)
     rc = suites.run_call(1, str(out))
     names = [s.name for s, _, _ in fake.calls]
@@ -123,7 +123,7 @@ def test_call_continues_after_a_failure_and_keeps_eight_files(tmp_path, wheels, 
     assert all(any(fnmatch.fnmatch(f, pat) for pat in expected) for f in left)
     record = json.loads((out / "call1-plan.json").read_text())
     status = {s["name"]: s["status"] for s in record["steps"]}
-    assert status["kernel tests"] == "failed (exit 1)"
+    assert status["GPU tests"] == "failed (exit 1)"
     assert status["kernel benchmark"] == "ok" and record["commit"]
     log = (out / "call1-log.txt").read_text()
     assert log.count("=====") == 2 * len(names) and "fake output of kernel benchmark" in log
@@ -137,12 +137,12 @@ def test_no_step_runs_past_the_call_deadline(tmp_path, wheels, monkeypatch):
     fake = FakeRunner(out)
     monkeypatch.setattr(suites, "run_shell", fake)
     monkeypatch.setattr(suites, "DEADLINE_S", 100.0)
-    suites.run_call(3, str(out))
+    suites.run_call(2, str(out))
     assert fake.calls and all(timeout <= 100.0 for _, timeout, _ in fake.calls)
     monkeypatch.setattr(suites, "DEADLINE_S", 0.0)
     fake.calls.clear()
-    assert suites.run_call(3, str(out)) == 1
-    record = json.loads((out / "call3-plan.json").read_text())
+    assert suites.run_call(2, str(out)) == 1
+    record = json.loads((out / "call2-plan.json").read_text())
     assert not fake.calls
     assert all(s["status"].startswith("skipped") for s in record["steps"])
 
@@ -159,12 +159,12 @@ def test_missing_wheels_fail_early_with_one_line(tmp_path, wheels, monkeypatch, 
     assert suites.missing_wheels(1) == []                 # call 1 needs only gguf
 
 
-def test_calls_2_and_3_take_call_1s_kernels(tmp_path, wheels, monkeypatch):
+def test_call_2_takes_carried_kernels(tmp_path, wheels, monkeypatch):
     so = tmp_path / "_C.cpython-312-x86_64-linux-gnu.so"
     so.write_bytes(b"")
     step = suites.gpu_plan(2, "/out", so=str(so))[1]
     assert step.name == "place kernels" and f"cp {so} flexevict/" in step.cmd
-    assert suites.KNOWN_SO in suites.gpu_plan(3, "/out")[1].cmd
+    assert suites.KNOWN_SO in suites.gpu_plan(2, "/out")[1].cmd
     with pytest.raises(UserError, match="expected the _C"):
         suites.run_call(2, str(tmp_path / "out"), so=str(tmp_path / "kernels.so"))
 
@@ -237,14 +237,13 @@ def test_peer_runs_when_the_engine_case_fits_or_fails_otherwise(tmp_path, monkey
 
 def test_every_call_calibrates_the_gpu_once_and_sends_the_calibration_back(tmp_path, wheels,
                                                                           monkeypatch):
-    """Call 1 measures the GPU for the cost model; calls 2 and 3 reuse it when carried (else a
-    quick one); the benches find it through FLEXEVICT_CACHE_DIR, and it comes back each time."""
-    for call in (1, 2, 3):
+    """Call 1 measures the GPU for the cost model; call 2 reuses it when carried (else a quick
+    one); the benches find it through FLEXEVICT_CACHE_DIR, and it comes back each time."""
+    for call in (1, 2):
         steps = suites.gpu_plan(call, "/out")
         names = [s.name for s in steps]
         cal = steps[names.index("calibrate" if call == 1 else "calibration")]
-        first_suite = min(i for i, s in enumerate(steps) if "suites.py" in s.cmd
-                          or "pytest" in s.cmd and call == 3)
+        first_suite = min(i for i, s in enumerate(steps) if "suites.py" in s.cmd)
         assert names.index(cal.name) < first_suite and "flexevict.calibrate --device cuda" in cal.cmd
         assert ("--quick" in cal.cmd) == (call != 1)
         assert steps[-1].outputs == (suites.CALIBRATION_GLOB,)

@@ -35,10 +35,11 @@ def kernel_backend(device: torch.device) -> str:
 
 @functools.cache
 def git_commit() -> str:
-    """The checkout's HEAD commit, read from the .git folder (no `git` program needed), else
-    $FLEXEVICT_COMMIT (a working tree copied to a GPU machine without its .git: the GPU plan
-    passes it), else "unknown". Computed once per process."""
-    return (commit_from_tree(Path(__file__).parent) or os.environ.get("FLEXEVICT_COMMIT")
+    """$FLEXEVICT_COMMIT when set (a working tree copied to a GPU machine: the GPU plan passes
+    it, and a .git found there can be a stale one, as on the first H200 run), else the
+    checkout's HEAD commit read from the .git folder (no `git` program needed), else
+    "unknown". Computed once per process."""
+    return (os.environ.get("FLEXEVICT_COMMIT") or commit_from_tree(Path(__file__).parent)
             or "unknown")
 
 
