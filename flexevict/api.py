@@ -76,17 +76,14 @@ class LLM:
         self.tokenizer = load_tokenizer(self.path)
         self.resolved: list[dict] = []        # each run's policy budget, as resolved
         source = open_weights(self.path, self.config, seed)
-        bar = Progress(self.config.num_layers, "loading", "layer", enabled=progress)
         self.placement = placement or Placement()
         try:
-            self.engine = Engine.load(self.config, source, self.placement, self.device,
-                                      DTYPES[dtype], progress=lambda j: bar.update(1))
-        except BaseException:
-            bar.enabled = False          # the error is the one line to show, not the bar's
-            raise
+            with Progress(self.config.num_layers, "loading", "layer", "MB",
+                          enabled=progress) as bar:
+                self.engine = Engine.load(self.config, source, self.placement, self.device,
+                                          DTYPES[dtype], progress=lambda b: bar.update(1, b / 1e6))
         finally:
             source.close()
-            bar.close()
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[str], max_new_tokens: int = 32,

@@ -172,3 +172,64 @@ def test_bench_reports_anonymous_and_mapped_memory_apart(tmp_path, monkeypatch):
     assert "anonymous" in proc.stdout and "mapped files" in proc.stdout
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("bench: ")]
     assert lines and lines[-1].startswith("bench: 4/4 steps,") and "tokens/s" in lines[-1]
+
+
+# ------------------------------------------------------------------ bench calibrates only if asked
+
+BENCH_SMALL = ["--model", "opt-125m", "--device", "cpu", "--prompt-len", "16", "--gen-len", "4",
+               "--gpu-batch-size", "2", "--num-gpu-batches", "1", "--no-warmup", "--threads", "1"]
+
+
+def _bench_without_calibration(tmp_path, *extra):
+    """bench on a machine with no calibration cached (an empty cache folder, no
+    $FLEXEVICT_CALIBRATION) -> (process, files the cache folder holds after it)."""
+    import os
+    import subprocess
+    import sys
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k != "FLEXEVICT_CALIBRATION"}
+    env.update(FLEXEVICT_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "flexevict.bench", *BENCH_SMALL, *extra],
+                          capture_output=True, text=True, env=env, timeout=600)
+    return proc, sorted(p.name for p in cache.glob("*")) if cache.exists() else []
+
+
+def test_bench_without_a_calibration_does_not_calibrate(tmp_path):
+    """A first bench (no auto flag, no --predict) measures nothing for its prediction: it says
+    how to get one instead of spending a minute calibrating."""
+    proc, cached = _bench_without_calibration(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "calibrating" not in proc.stderr and cached == []
+    assert "predicted: none" in proc.stdout and "python -m flexevict.calibrate" in proc.stdout
+
+
+def test_bench_predicts_from_a_cached_calibration_without_measuring(tmp_path):
+    """A calibration of this machine in the cache is read (never extended by measuring): the
+    prediction is printed and the cached file is left as it was."""
+    import os
+    import torch
+    from flexevict.runtime.calibration import cache_path, machine_key
+    key = machine_key(torch.device("cpu"), 1)
+    data = json.loads(open(os.path.join(os.path.dirname(__file__), "calibration_cpu.json")).read())
+    data["machine"] = key
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    target = cache / os.path.basename(cache_path(key))
+    target.write_text(json.dumps(data))
+    before = target.read_text()
+    proc, cached = _bench_without_calibration(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "calibrating" not in proc.stderr and cached == [target.name]
+    assert "predicted: prefill" in proc.stdout and str(target) in proc.stdout
+    assert target.read_text() == before
+
+
+def test_bench_shows_progress_while_making_dummy_weights(monkeypatch):
+    """bench's weight phase is not silent: a line per layer here (every 30 s by default), with
+    the megabytes made and an ETA; generate's loading lines count megabytes too."""
+    monkeypatch.setenv("FLEXEVICT_PROGRESS_SECONDS", "0")
+    proc = run("bench", *BENCH_SMALL)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("making dummy weights:")]
+    assert lines[0].startswith("making dummy weights: 1/12 layers,") and "MB/s" in lines[0]
+    assert "ETA" in lines[0] and lines[-1].startswith("making dummy weights: 12/12 layers,")

@@ -53,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--no-warmup", action="store_true",
                    help=f"skip the warm-up ({WARMUP_PROMPT} + {WARMUP_TOKENS} tokens with the "
                         "policy under test) before the timed run")
+    p.add_argument("--predict", action="store_true",
+                   help="print the cost model's prediction, calibrating this machine first if "
+                        "it never was (default: predict only from a cached calibration)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
     return p.parse_args(argv)
 
@@ -103,8 +106,10 @@ def run(args) -> dict:
     predicted = predict(args, config, placement, n, device, dtype)
     build_s = load_kernels(device)
     with out_of_memory(plan, device, limit):
-        engine = Engine.load(config, open_weights(path, config, args.seed), placement, device,
-                             dtype)
+        what = "making dummy weights" if path == DUMMY else "loading weights"
+        with Progress(config.num_layers, what, "layer", "MB") as bar:
+            engine = Engine.load(config, open_weights(path, config, args.seed), placement,
+                                 device, dtype, progress=lambda b: bar.update(1, b / 1e6))
         try:
             prompts = _random_prompts(config, n, args.prompt_len, args.seed)
             if not args.no_warmup:
@@ -122,14 +127,27 @@ def run(args) -> dict:
     return result
 
 
-def predict(args, config, placement, n: int, device, dtype) -> dict:
+def predict(args, config, placement, n: int, device, dtype) -> dict | None:
     """The cost model's prediction for this run (runtime/search.py, costmodel.py): per phase
-    and total, what bounds each phase, and the calibration it used."""
+    and total, what bounds each phase, and the calibration it used. A bench measures the
+    machine only when asked (--predict, an `auto` flag, which calibrated already, or
+    --calibration FILE); otherwise it predicts from a cached calibration, read only, or not at
+    all (None): a first run must not spend a minute calibrating for a line of output."""
+    from flexevict.runtime import calibration
     from flexevict.runtime.costmodel import CostModel
     from flexevict.runtime.search import bound_line, cost_model
-    model: CostModel = cost_model(args, config, args.prompt_len, args.gen_len, device, dtype,
-                                  policy_spec(args))
-    e = model.estimate(placement, n)
+    asked = args.predict or has_auto(args) or args.calibration
+    cal = None if asked else calibration.cached(device, args.threads)
+    if cal is None and not asked:
+        return None
+    try:
+        model: CostModel = cost_model(args, config, args.prompt_len, args.gen_len, device,
+                                      dtype, policy_spec(args), cal=cal)
+        e = model.estimate(placement, n)
+    except UserError:
+        if asked:
+            raise
+        return None                  # the cached calibration lacks this device or dtype
     cal = model.cal.data
     return {**e.describe(), "bound": bound_line(e),
             "calibration": {"path": model.cal.path, "machine": cal.get("machine"),
@@ -298,9 +316,15 @@ def format_block(r: dict) -> str:
     ]
     if r.get("predicted"):
         lines += predicted_lines(r)
+    else:
+        lines.append(NO_PREDICTION)
     if r["positions_wrapped"]:
         lines.append("positions wrapped past the model's limit: timing only, output meaningless")
     return "\n".join(lines)
+
+
+NO_PREDICTION = ("predicted: none (no calibration of this machine is cached: `python -m "
+                 "flexevict.calibrate` measures one once, or add --predict)")
 
 
 def predicted_lines(r: dict) -> list[str]:

@@ -425,7 +425,7 @@ def causal_attention(q, k, v, pads: torch.Tensor | None, scale: float | None = N
 
 def attend(q: torch.Tensor, buf: KVBuffer, n: int, scale: float, keys=None,
            score: bool = False):
-    """Decode attention over the buffer's first n slots (a CUDA kernel on a GPU).
+    """Decode attention over the buffer's first n slots (`kernels.decode_attention`).
 
     q: (R, g, d); keys: (n, R, d) to use instead of the cached keys (in-cache RoPE)
     -> out (R, g, d), probs (R, g, n) fp32 (policies sum over g for a kv head).

@@ -180,6 +180,24 @@ def load(device: torch.device, threads: int | None = None, offload_dir: str | No
     return cal
 
 
+def cached(device: torch.device, threads: int | None = None) -> Calibration | None:
+    """This machine's calibration if one is cached (or named by $FLEXEVICT_CALIBRATION), read
+    only: nothing is measured, and a section it lacks is not measured either. None when there
+    is none (`load` would measure it)."""
+    if os.environ.get("FLEXEVICT_CALIBRATION"):
+        return read_file(os.environ["FLEXEVICT_CALIBRATION"])
+    key = machine_key(device, threads or torch.get_num_threads())
+    where = cache_path(key)
+    try:
+        with open(where) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    if data.get("schema") != SCHEMA or data.get("machine") != key:
+        return None
+    return Calibration(data, where, measure_ok=False)
+
+
 def read_file(path: str) -> Calibration:
     try:
         with open(path) as f:

@@ -131,7 +131,8 @@ class Engine:
     @classmethod
     def load(cls, config, source, placement: Placement, device, dtype, progress=None) -> "Engine":
         """Read every weight once from `source` and put it in its tier (FlexGen's
-        init_weight_list); gpu-tier weights are prepared for compute (oneDNN-packed on CPU)."""
+        init_weight_list); gpu-tier weights are prepared for compute (oneDNN-packed on CPU).
+        progress(nbytes): called once per layer read, with its weights' bytes."""
         tiers = Tiers(torch.device(device), placement.offload_dir, placement.pin_weight)
         model = Transformer(config, [], {}, device=torch.device(device), dtype=dtype)
         pack = onednn_usable(device, dtype)
@@ -144,7 +145,8 @@ class Engine:
             if s.kind in ("block", "attn"):
                 layer = load_layer_weights(config, source, s.layer, staging, dtype)
                 if progress:
-                    progress(s.layer)
+                    progress(sum(t.numel() * t.element_size() for t in layer.values()
+                                 if t is not None))
             weights = split_weights(s, layer if s.layer >= 0 else {}, outer)
             tiers_of = placement.weight_tiers([0 if t is None else t.numel()
                                                for t in weights.values()])

@@ -55,7 +55,9 @@ class Progress:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None and self.bar is None:
+            self.enabled = False        # the error is the one line to show, not a progress line
         self.close()
 
 

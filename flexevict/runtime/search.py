@@ -476,9 +476,12 @@ def _elsewhere(calibration, device) -> bool:
     return calibration.data.get("machine", {}).get("device") != device_name(device)
 
 
-def cost_model(args, config, prompt_len: int, gen_len: int, device, dtype, spec, log=print):
-    """The CostModel for the flags and the policy `spec` (a PolicySpec): calibration from
-    --calibration or this machine's cache."""
+def cost_model(args, config, prompt_len: int, gen_len: int, device, dtype, spec, log=print,
+               cal=None):
+    """The CostModel for the flags and the policy `spec` (a PolicySpec): calibration `cal`, else
+    from --calibration or this machine's cache (measured now when there is none)."""
+    if cal is not None:
+        return CostModel(config, cal, device, dtype, prompt_len, gen_len, spec)
     path = getattr(args, "calibration", None)
     if torch.device(device).type == "cuda" and not torch.cuda.is_available() and not path \
             and not os.environ.get("FLEXEVICT_CALIBRATION"):
