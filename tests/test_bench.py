@@ -9,6 +9,9 @@ import pytest
 from test_cli import assert_user_error, run
 
 from flexevict.bench.throughput import project_decode
+from flexevict.errors import UserError
+from flexevict.runtime.memory import GIB
+import torch
 
 SMALL = ["--model", "opt-125m", "--device", "cpu", "--prompt-len", "24", "--gen-len", "6",
          "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--no-warmup"]
@@ -67,7 +70,32 @@ def test_projection_never_extrapolates_a_falling_line():
 
 def test_model_too_big_for_memory_gives_estimate_and_fix():
     proc = run("bench", "--model", "opt-175b", "--device", "cpu", "--gpu-batch-size", "1")
-    assert_user_error(proc, "out of CPU memory", "opt-175b", "GiB", "--percent", "--compress-weight")
+    assert_user_error(proc, "out of CPU memory", "opt-175b", "GiB", "--gpu-batch-size",
+                      "--offload-dir")
+
+
+def test_memory_error_names_a_placement_that_fits():
+    """A model too big for host memory: the error names placement flags that fit this batch
+    (no calibration needed), and that placement passes the same check."""
+    import re
+    from flexevict.api import resolve_model
+    from flexevict.runtime.memory import MemoryPlan, process_anon
+    from flexevict.runtime.placement import Placement
+    config, _ = resolve_model("opt-1.3b", None)                  # 5.3 GB of fp32 weights
+    limit = process_anon() + 3 * GIB
+
+    def plan(percent, **switches):
+        p = Placement.from_percent(percent, gpu_batch_size=4, **switches)
+        return MemoryPlan(config, p, torch.float32, 4, 512, 32, 544)
+
+    with pytest.raises(UserError) as err:
+        plan([100, 0, 100, 0, 100, 0]).check(torch.device("cpu"), None, limit)
+    fits = re.search(r"--percent ((?:\d+ ){5}\d+)((?: --compress-\w+)*) fits", str(err.value))
+    assert fits, str(err.value)
+    percent = [int(x) for x in fits.group(1).split()]
+    switches = {s[2:].replace("-", "_"): True for s in fits.group(2).split()}
+    assert percent[0] < 100                                      # weights partly elsewhere
+    plan(percent, **switches).check(torch.device("cpu"), None, limit)   # it does fit
 
 
 def test_gpu_mem_limit_needs_cuda():

@@ -177,17 +177,20 @@ class MemoryPlan:
               cpu_limit: int | None = None) -> None:
         """Raise the one-line advice if the run cannot fit: the GPU limit, --cpu-mem-limit
         (counting this process's memory so far, `process_anon`), the memory available now,
-        and the free disk under --offload-dir."""
+        and the free disk under --offload-dir. The advice names a --percent that fits."""
         need = self.needs(device)
+        available = _mem_available()
+        host_limit = min(x for x in (cpu_limit, available, float("inf")) if x is not None)
+        fits = lambda: (self.fitting(device, gpu_limit, host_limit - process_anon())  # noqa: E731
+                        or "")
         if device.type == "cuda" and gpu_limit is not None and need["gpu"] > gpu_limit:
-            raise UserError(self._message("GPU", need, gpu_limit))
+            raise UserError(self._message("GPU", need, gpu_limit, fits=fits()))
         host = need["cpu"] + (need["gpu"] if device.type == "cpu" else 0)
         if cpu_limit is not None and host + process_anon() > cpu_limit:
             raise UserError(self._message("CPU", need, cpu_limit, host + process_anon(),
-                                          "--cpu-mem-limit"))
-        available = _mem_available()
+                                          "--cpu-mem-limit", fits=fits()))
         if available is not None and host > available:
-            raise UserError(self._message("CPU", need, available, host))
+            raise UserError(self._message("CPU", need, available, host, fits=fits()))
         if need["disk"]:
             rundir.check_writable(self.placement.offload_dir)
             free = disk_free(self.placement.offload_dir)
@@ -196,17 +199,58 @@ class MemoryPlan:
                                 f"--offload-dir but {free / GIB:.1f} GiB free; choose another "
                                 "--offload-dir or keep more on the CPU (--percent)")
 
+    def fitting(self, device, gpu_limit: int | None, host_limit: float, step: int = 10
+                ) -> str | None:
+        """The placement flags, --percent in steps of `step`, that fit the limits with this
+        run's batch and activations and keep the most bytes on the GPU, then on the CPU (the
+        least offloading; `python -m flexevict.plan` ranks by predicted speed instead): with
+        the run's own switches, else adding --compress-weight, then --compress-cache too ->
+        the flags, or None when nothing fits. Memory only: no calibration needed.
+        host_limit: host bytes the run's tiers may take."""
+        p = self.placement
+        free = disk_free(p.offload_dir)
+        pairs = [(g, c) for g in range(0, 101, step) for c in range(0, 101 - g, step)]
+        for cw, cc in dict.fromkeys([(p.compress_weight, p.compress_cache),
+                                     (True, p.compress_cache), (True, True)]):
+            best, best_key = None, None
+            for wg, wc in pairs:
+                for cg, ccpu in pairs:
+                    try:
+                        q = dataclasses.replace(p, w_gpu=wg, w_cpu=wc, cache_gpu=cg,
+                                                cache_cpu=ccpu, compress_weight=cw,
+                                                compress_cache=cc).checked()
+                    except UserError:
+                        continue
+                    need = MemoryPlan(self.config, q, self.dtype, self.n, self.prompt_len,
+                                      self.gen_len, self.slots).needs(device)
+                    if overflow(need, device, gpu_limit, host_limit, free) is None:
+                        key = (need["gpu"], need["cpu"])
+                        if best_key is None or key > best_key:
+                            best, best_key = q, key
+            if best is not None:
+                added = [f"--{n.replace('_', '-')}" for n in ("compress_weight", "compress_cache")
+                         if getattr(best, n) and not getattr(p, n)]
+                return " ".join([f"--percent {' '.join(map(str, best.percent))}", *added])
+        return None
+
     def _message(self, what: str, need: dict, have: int, total: int | None = None,
-                 limit: str | None = None) -> str:
+                 limit: str | None = None, fits: str | None = None) -> str:
         p = self.placement
         total = need["gpu"] if total is None else total
         where = f"the {limit} of {have / GIB:.1f} GiB" if limit else \
             f"{have / GIB:.1f} GiB are available"
+        if fits:                        # the flags of a placement the memory check found
+            fix = (f"{fits} fits (same batch; `--percent auto` picks the fastest placement "
+                   "that fits)")
+        else:                           # "": none fits; None: not searched (an allocation failed)
+            fix = ("no --percent fits this batch, even compressed: lower --gpu-batch-size / "
+                   "--num-gpu-batches or --budget, or give --offload-dir a disk with more room"
+                   if fits == "" else "move weights or cache to a lower tier with --percent, "
+                   "lower --gpu-batch-size / --num-gpu-batches or --budget, or add "
+                   "--compress-weight / --compress-cache")
         return (f"out of {what} memory: {self.config.name} with {len(self.sizes)} GPU batch(es) "
                 f"of {max(self.sizes)} at --percent {' '.join(map(str, p.percent))} needs about "
-                f"{total / GIB:.1f} GiB of {what} memory but {where}; "
-                "move weights or cache to a lower tier with --percent, lower --gpu-batch-size / "
-                "--num-gpu-batches or --budget, or add --compress-weight / --compress-cache")
+                f"{total / GIB:.1f} GiB of {what} memory but {where}; {fix}")
 
 
 def in_place(p, tier: str) -> bool:
