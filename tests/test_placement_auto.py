@@ -7,6 +7,7 @@ here asserts a timing."""
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -184,6 +185,15 @@ def test_plan_prints_the_choice_its_bound_and_alternatives(capsys):
                    "memory: GPU", "bound: decode:", "% of the step is bound by", "top "):
         assert needle in out, out
     assert "--num-gpu-batches 4" in out.split("placement:")[1].splitlines()[0]
+    # every throughput figure comes with the wall time of the batch, in a person's units
+    rates = [ln for ln in out.splitlines() if "token/s" in ln]
+    assert len(rates) > 2 and all(re.search(r"about \d+ (s|min|h|days)\b", ln) for ln in rates)
+
+
+def test_wall_time_speaks_in_the_unit_a_person_plans_with():
+    from flexevict.runtime.search import wall_time
+    assert [wall_time(s) for s in (40, 90, 700, 3600, 61200, 200000)] == [
+        "about 40 s", "about 2 min", "about 12 min", "about 1 h", "about 17 h", "about 2 days"]
 
 
 def test_planning_for_a_gpu_here_needs_a_calibration(monkeypatch):

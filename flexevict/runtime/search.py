@@ -291,6 +291,15 @@ def flags(p: Placement) -> str:
     return " ".join(out)
 
 
+def wall_time(seconds: float) -> str:
+    """A predicted duration in the unit a person plans with: "about 40 s", "about 12 min",
+    "about 17 h", "about 3 days"."""
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size or (unit != "days" and seconds >= size):
+            return f"about {seconds / size:.0f} {unit}"
+    return f"about {seconds:.0f} s"
+
+
 def _gib(x) -> str:
     return "no limit" if x is None else f"{x / GIB:.1f} GiB"
 
@@ -357,7 +366,8 @@ def report(plan: Plan, top: int = 5, alternatives: bool = True) -> list[str]:
     e, m = plan.best, plan.model
     lines = [f"placement: {flags(e.placement)}",
              f"predicted: {e.throughput:.3f} token/s total (batch {e.n}: prefill {e.prefill_s:.3f}"
-             f" s, decode step {e.step_s:.4f} s, total {e.total_s:.3f} s)",
+             f" s, decode step {e.step_s:.4f} s, total {e.total_s:.3f} s: "
+             f"{wall_time(e.total_s)})",
              f"memory: {memory_line(e, m.device, plan.limits.baseline)}",
              f"bound: {bound_line(e)}"]
     nb = next_best(plan) if alternatives else None
@@ -366,7 +376,8 @@ def report(plan: Plan, top: int = 5, alternatives: bool = True) -> list[str]:
     if alternatives and len(plan.ranked) > 1:
         lines.append(f"top {min(top, len(plan.ranked))} of {plan.evaluated} evaluated placements:")
         for k, alt in enumerate(plan.ranked[:top], 1):
-            lines.append(f"  {k}. {alt.throughput:10.3f} token/s  "
+            lines.append(f"  {k}. {alt.throughput:10.3f} token/s ({wall_time(alt.total_s)} "
+                         f"for batch {alt.n})  "
                          f"{memory_line(alt, m.device, plan.limits.baseline)}"
                          f"  {flags(alt.placement)}")
     return lines
@@ -395,18 +406,20 @@ def infeasible_line(model: CostModel, request: Request, limits: Limits, err: Inf
             continue
         try:
             alt = search(model, request.freed(name), limits, top=1).best
-            fixes.append((alt.throughput, _change(alt.placement, name)))
+            fixes.append((alt.throughput, _change(alt.placement, name), alt.total_s))
         except Infeasible:
             pass
     if not fixes and not _all_free(request):
         try:
             alt = search(model, _free_all(request), limits, top=1).best
-            fixes.append((alt.throughput, f"{flags(alt.placement)} (every placement flag auto)"))
+            fixes.append((alt.throughput, f"{flags(alt.placement)} (every placement flag auto)",
+                          alt.total_s))
         except Infeasible:
             pass
     if fixes:
-        tput, change = max(fixes)
-        return f"{head}; smallest change that fits: {change} (predicted {tput:.3f} token/s)"
+        tput, change, total = max(fixes)
+        return (f"{head}; smallest change that fits: {change} (predicted {tput:.3f} token/s, "
+                f"{wall_time(total)} for the batch)")
     return (f"{head}; no placement fits: give {err.resource} memory of at least "
             f"{_gib(err.need)}, or lower --prompt-len / --gen-len or --budget")
 
