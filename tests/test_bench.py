@@ -98,6 +98,15 @@ def test_memory_error_names_a_placement_that_fits():
     plan(percent, **switches).check(torch.device("cpu"), None, limit)   # it does fit
 
 
+def test_memory_error_predicts_the_placement_it_names():
+    """With a calibration (the suite's fixed one), the error also predicts the placement it
+    names, and the run's wall time in a person's units."""
+    proc = run("bench", "--model", "opt-1.3b", "--device", "cpu", "--cpu-mem-limit", "3",
+               "--gpu-batch-size", "2")
+    assert_user_error(proc, "out of CPU memory", "fits (same batch", "predicted there: ",
+                      "token/s, about ", "for the run")
+
+
 def test_gpu_mem_limit_needs_cuda():
     proc = run("bench", *SMALL, "--gpu-mem-limit", "16")
     assert_user_error(proc, "--gpu-mem-limit needs a CUDA device")

@@ -28,7 +28,7 @@ from flexevict.cli import (add_placement_args, add_policy_args, add_threads_arg,
                    has_auto, placement_from_args, policy_spec)
 from flexevict.runtime.engine import Engine
 from flexevict.errors import UserError, cli_errors
-from flexevict.runtime.memory import MemoryPlan, GIB, out_of_memory
+from flexevict.runtime.memory import DoesNotFit, MemoryPlan, GIB, out_of_memory
 from flexevict.policies import Policy, PolicySpec
 from flexevict.io.weights import DUMMY, open_weights
 from flexevict.runtime.progress import Progress
@@ -102,7 +102,11 @@ def run(args) -> dict:
     policy = spec.make()
     slots = policy.layout(args.prompt_len, args.gen_len).slots
     plan = MemoryPlan(config, placement, dtype, n, args.prompt_len, args.gen_len, slots)
-    plan.check(device, limit, None if args.cpu_mem_limit is None else int(args.cpu_mem_limit * GIB))
+    try:
+        plan.check(device, limit,
+                   None if args.cpu_mem_limit is None else int(args.cpu_mem_limit * GIB))
+    except DoesNotFit as e:
+        raise UserError(f"{e}{predicted_there(args, config, e.fits, n, device, dtype)}") from None
     predicted = predict(args, config, placement, n, device, dtype)
     build_s = load_kernels(device)
     with out_of_memory(plan, device, limit):
@@ -153,6 +157,22 @@ def predict(args, config, placement, n: int, device, dtype) -> dict | None:
             "calibration": {"path": model.cal.path, "machine": cal.get("machine"),
                             "synthetic": bool(cal.get("synthetic")),
                             "quick": bool(cal.get("quick"))}}
+
+
+def predicted_there(args, config, fits, n: int, device, dtype) -> str:
+    """'; predicted ... there' for the placement a memory error names, from a cached
+    calibration (never measured for an error line); '' without either."""
+    from flexevict.runtime import calibration
+    from flexevict.runtime.search import cost_model, wall_time
+    cal = calibration.cached(device, args.threads) if fits is not None else None
+    if cal is None:
+        return ""
+    try:
+        e = cost_model(args, config, args.prompt_len, args.gen_len, device, dtype,
+                       policy_spec(args), cal=cal).estimate(fits, n)
+    except UserError:
+        return ""
+    return f"; predicted there: {e.throughput:.3f} token/s, {wall_time(e.total_s)} for the run"
 
 
 def load_kernels(device) -> float | None:

@@ -20,6 +20,15 @@ from flexevict.runtime.offload import can_pin, host_bytes, park_bytes
 GIB = 1 << 30
 
 
+class DoesNotFit(UserError):
+    """A run too big for a memory limit; `fits` is a placement of the same batch that does fit
+    (MemoryPlan.fitting), or None."""
+
+    def __init__(self, message: str, fits=None):
+        super().__init__(message)
+        self.fits = fits
+
+
 class _MetaSource:
     """Weights with shapes and no data: the placement rule runs on them exactly as on real ones."""
 
@@ -181,16 +190,18 @@ class MemoryPlan:
         need = self.needs(device)
         available = _mem_available()
         host_limit = min(x for x in (cpu_limit, available, float("inf")) if x is not None)
-        fits = lambda: (self.fitting(device, gpu_limit, host_limit - process_anon())  # noqa: E731
-                        or "")
+        fits = lambda: self.fitting(device, gpu_limit, host_limit - process_anon())  # noqa: E731
         if device.type == "cuda" and gpu_limit is not None and need["gpu"] > gpu_limit:
-            raise UserError(self._message("GPU", need, gpu_limit, fits=fits()))
+            q = fits()
+            raise DoesNotFit(self._message("GPU", need, gpu_limit, fits=q or False), q)
         host = need["cpu"] + (need["gpu"] if device.type == "cpu" else 0)
         if cpu_limit is not None and host + process_anon() > cpu_limit:
-            raise UserError(self._message("CPU", need, cpu_limit, host + process_anon(),
-                                          "--cpu-mem-limit", fits=fits()))
+            q = fits()
+            raise DoesNotFit(self._message("CPU", need, cpu_limit, host + process_anon(),
+                                           "--cpu-mem-limit", fits=q or False), q)
         if available is not None and host > available:
-            raise UserError(self._message("CPU", need, available, host, fits=fits()))
+            q = fits()
+            raise DoesNotFit(self._message("CPU", need, available, host, fits=q or False), q)
         if need["disk"]:
             rundir.check_writable(self.placement.offload_dir)
             free = disk_free(self.placement.offload_dir)
@@ -199,13 +210,12 @@ class MemoryPlan:
                                 f"--offload-dir but {free / GIB:.1f} GiB free; choose another "
                                 "--offload-dir or keep more on the CPU (--percent)")
 
-    def fitting(self, device, gpu_limit: int | None, host_limit: float, step: int = 10
-                ) -> str | None:
+    def fitting(self, device, gpu_limit: int | None, host_limit: float, step: int = 10):
         """The placement flags, --percent in steps of `step`, that fit the limits with this
         run's batch and activations and keep the most bytes on the GPU, then on the CPU (the
         least offloading; `python -m flexevict.plan` ranks by predicted speed instead): with
         the run's own switches, else adding --compress-weight, then --compress-cache too ->
-        the flags, or None when nothing fits. Memory only: no calibration needed.
+        the Placement, or None when nothing fits. Memory only: no calibration needed.
         host_limit: host bytes the run's tiers may take."""
         p = self.placement
         free = disk_free(p.offload_dir)
@@ -228,24 +238,30 @@ class MemoryPlan:
                         if best_key is None or key > best_key:
                             best, best_key = q, key
             if best is not None:
-                added = [f"--{n.replace('_', '-')}" for n in ("compress_weight", "compress_cache")
-                         if getattr(best, n) and not getattr(p, n)]
-                return " ".join([f"--percent {' '.join(map(str, best.percent))}", *added])
+                return best
         return None
 
+    def flags_of(self, q) -> str:
+        """The flags that turn this run's placement into q (a `fitting` result)."""
+        added = [f"--{n.replace('_', '-')}" for n in ("compress_weight", "compress_cache")
+                 if getattr(q, n) and not getattr(self.placement, n)]
+        return " ".join([f"--percent {' '.join(map(str, q.percent))}", *added])
+
     def _message(self, what: str, need: dict, have: int, total: int | None = None,
-                 limit: str | None = None, fits: str | None = None) -> str:
+                 limit: str | None = None, fits=None) -> str:
+        """The one-line advice; fits: a placement that fits (`fitting`), False when none
+        does, None when none was looked for (an allocation failed)."""
         p = self.placement
         total = need["gpu"] if total is None else total
         where = f"the {limit} of {have / GIB:.1f} GiB" if limit else \
             f"{have / GIB:.1f} GiB are available"
-        if fits:                        # the flags of a placement the memory check found
-            fix = (f"{fits} fits (same batch; `--percent auto` picks the fastest placement "
-                   "that fits)")
-        else:                           # "": none fits; None: not searched (an allocation failed)
+        if fits:
+            fix = (f"{self.flags_of(fits)} fits (same batch; `--percent auto` picks the fastest "
+                   "placement that fits)")
+        else:
             fix = ("no --percent fits this batch, even compressed: lower --gpu-batch-size / "
                    "--num-gpu-batches or --budget, or give --offload-dir a disk with more room"
-                   if fits == "" else "move weights or cache to a lower tier with --percent, "
+                   if fits is False else "move weights or cache to a lower tier with --percent, "
                    "lower --gpu-batch-size / --num-gpu-batches or --budget, or add "
                    "--compress-weight / --compress-cache")
         return (f"out of {what} memory: {self.config.name} with {len(self.sizes)} GPU batch(es) "
