@@ -30,6 +30,12 @@ torch.set_num_threads(int(os.environ.get("FLEXEVICT_TEST_THREADS", "1")))
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: minutes of work (runs in CI and `bash tests/run.sh`; the fast tier, "
+                   "`bash tests/run.sh -m 'not slow'`, leaves it out)")
+
+
 # ------------------------------------------------------------------------ tiny HF models
 
 def _reinit_(model: torch.nn.Module, seed: int) -> None:

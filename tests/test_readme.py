@@ -1,9 +1,12 @@
 """The README must be true: no links outside the repository, every file it lists exists, the
 quick start installs torch's CPU build, and every flag it names exists on its command."""
+import json
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
@@ -37,3 +40,57 @@ def test_flags_named_for_generate_exist():
     section = re.sub(r"`python (bench/|-m flexevict\.bench)[^`]*`", "", section)   # other tools
     for flag in set(re.findall(r"(--[a-z][a-z-]+)", section)):
         assert flag in helptext, flag
+
+
+# ------------------------------------------------------------------ README's commands run
+
+# Commands that cannot run here as written, by what they need: a GPU, a Ray cluster, a
+# GPU-sized model, or many minutes of measuring (the calibration and the accuracy sweep have
+# tests of their own); the rest run as written.
+NEEDS_ELSEWHERE = ("--device cuda", "--ray ", "opt-6.7b", "opt-30b", "opt-175b", "eval sweep")
+
+
+def needs_elsewhere(cmd: str) -> bool:
+    return any(need in cmd for need in NEEDS_ELSEWHERE) or cmd == "python -m flexevict.calibrate"
+
+
+def readme_commands() -> list[str]:
+    """Every `python -m flexevict...` command of README's bash blocks, continuation lines
+    joined and trailing comments dropped, in order."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line.startswith("python -m flexevict."):
+                commands.append(line)
+    return commands
+
+
+def test_readme_commands_are_found_and_use_shipped_files():
+    commands = readme_commands()
+    assert len(commands) > 15
+    for cmd in commands:
+        for path in re.findall(r"--(?:input|text) (\S+)", cmd):
+            assert os.path.isfile(os.path.join(ROOT, path)), (cmd, path)
+        assert "[" not in cmd and "..." not in cmd.replace('"..."', ""), cmd
+
+
+@pytest.mark.slow
+def test_readme_commands_run_as_written(tmp_path):
+    """Each quick README command runs as written after the Quick start, in order, from a
+    folder where `bench/` is the repository's (outputs land there, not in the checkout)."""
+    import shlex
+    (tmp_path / "bench").symlink_to(os.path.join(ROOT, "bench"))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", FLEXEVICT_PROGRESS_SECONDS="600")
+    ran = []
+    for cmd in readme_commands():
+        if needs_elsewhere(cmd):
+            continue
+        proc = subprocess.run([sys.executable, *shlex.split(cmd)[1:]], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (cmd, proc.stderr[-2000:])
+        ran.append(cmd)
+    assert len(ran) >= 10
+    for out in ("auto.jsonl", "chat-out.jsonl", "offloaded.jsonl", "out.jsonl", "sampled.jsonl"):
+        rows = [json.loads(ln) for ln in (tmp_path / out).read_text().splitlines()]
+        assert rows and all("completion" in r for r in rows), out
