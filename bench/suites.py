@@ -65,7 +65,7 @@ def case(name, model, prompt, gen, percent, gbs, nb, extra=(), policy=("full",),
          cut=None):
     argv = ["--model", model, "--prompt-len", str(prompt), "--gen-len", str(gen),
             "--percent", *percent.split(), "--gpu-batch-size", str(gbs),
-            "--num-gpu-batches", str(nb), "--policy", policy[0], *extra]
+            "--num-gpu-batches", str(nb), "--policy", policy[0], "--yes", *extra]
     if len(policy) > 1:
         argv += ["--budget", str(policy[1])]
     if cut:

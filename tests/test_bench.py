@@ -390,3 +390,16 @@ def test_flexgen_peer_prepare_writes_where_flexgen_looks(tmp_path, monkeypatch):
     env = flexgen_peer.prepare(str(tmp_path))
     assert env["HF_HUB_OFFLINE"] == "1"
     assert (tmp_path / "facebook" / "opt-30b" / "tokenizer_config.json").is_file()
+
+
+def test_a_run_predicted_over_an_hour_needs_yes(monkeypatch):
+    """Refused before the weights load unless --yes (a terminal would be asked); what counts
+    is the run's own length: prefill plus the decode steps it times (--cut-gen-len)."""
+    from flexevict.bench.throughput import confirm_long_run
+    predicted = {"prefill_s": 600.0, "decode_step_s": 2.0, "throughput": 0.5}
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: False, raising=False)
+    with pytest.raises(UserError, match=r"predicted to take about 1 h .*add --yes"):
+        confirm_long_run(predicted, 2048, yes=False)
+    confirm_long_run(predicted, 2048, yes=True)
+    confirm_long_run(predicted, 64, yes=False)                   # cut: 12 min
+    confirm_long_run(None, 2048, yes=False)                      # no prediction: no question

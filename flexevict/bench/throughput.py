@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import resource
+import sys
 import time
 
 import numpy as np
@@ -56,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--predict", action="store_true",
                    help="print the cost model's prediction, calibrating this machine first if "
                         "it never was (default: predict only from a cached calibration)")
+    p.add_argument("--yes", action="store_true",
+                   help="run even when it is predicted to take over an hour (without it a "
+                        "terminal asks, anything else refuses)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
     return p.parse_args(argv)
 
@@ -108,6 +112,7 @@ def run(args) -> dict:
     except DoesNotFit as e:
         raise UserError(f"{e}{predicted_there(args, config, e.fits, n, device, dtype)}") from None
     predicted = predict(args, config, placement, n, device, dtype)
+    confirm_long_run(predicted, steps, args.yes)
     build_s = load_kernels(device)
     with out_of_memory(plan, device, limit):
         what = "making dummy weights" if path == DUMMY else "loading weights"
@@ -157,6 +162,30 @@ def predict(args, config, placement, n: int, device, dtype) -> dict | None:
             "calibration": {"path": model.cal.path, "machine": cal.get("machine"),
                             "synthetic": bool(cal.get("synthetic")),
                             "quick": bool(cal.get("quick"))}}
+
+
+LONG_RUN_S = 3600.0
+
+
+def confirm_long_run(predicted: dict | None, steps: int, yes: bool) -> None:
+    """A run predicted to take over an hour (its prefill and the `steps` - 1 decode steps it
+    times) goes ahead only with --yes or a yes typed on a terminal: found before the weights
+    load, not hours in."""
+    if predicted is None or yes:
+        return
+    seconds = predicted["prefill_s"] + (steps - 1) * predicted["decode_step_s"]
+    if seconds < LONG_RUN_S:
+        return
+    from flexevict.runtime.search import wall_time
+    what = (f"this run is predicted to take {wall_time(seconds)} "
+            f"({predicted['throughput']:.3f} token/s)")
+    if sys.stdin.isatty() and sys.stderr.isatty():
+        print(f"{what}; run it? [y/N] ", end="", file=sys.stderr, flush=True)
+        if sys.stdin.readline().strip().lower() in ("y", "yes"):
+            return
+        raise UserError(f"{what}: not run (answer y, or add --yes)")
+    raise UserError(f"{what}; add --yes to run it, or --cut-gen-len N to time N decode steps "
+                    "and project the rest")
 
 
 def predicted_there(args, config, fits, n: int, device, dtype) -> str:
