@@ -375,3 +375,26 @@ def test_every_policys_hooks_can_be_measured(name):
     spec = PolicySpec.parse(name) if name == "full" else PolicySpec.parse(name, 0.5)
     hooks = calibration.measure_policy(spec, torch.device("cpu"), torch.float32, quick=True)
     assert hooks["decode"]["fixed_s"] >= 0 and hooks["prefill"]["fixed_s"] >= 0
+
+
+def test_calibration_prints_every_step(monkeypatch, tmp_path):
+    """A first calibration says what it measures, step i of N, and the time so far: one line
+    per step, N known up front (the measurements themselves are stubbed here)."""
+    from flexevict.runtime import calibration
+    for name in ("measure_links", "measure_disk", "measure_matmul", "measure_prepare",
+                 "measure_quant", "measure_attention", "measure_overheads", "measure_probe",
+                 "measure_engine_probe"):
+        monkeypatch.setattr(calibration, name, lambda *a, **k: {})
+    for name in ("measure_parallel", "measure_lane_job", "measure_mem_bw"):
+        monkeypatch.setattr(calibration, name, lambda *a, **k: 1.0)
+    monkeypatch.delenv("FLEXEVICT_CALIBRATION", raising=False)
+    monkeypatch.setenv("FLEXEVICT_CACHE_DIR", str(tmp_path))
+    lines = []
+    for quick in (True, False):
+        calibration.load(torch.device("cpu"), 1, quick=quick, recalibrate=True,
+                         log=lambda msg, **kw: lines.append(msg))
+        steps = [ln for ln in lines if ln.startswith("calibrating: step ")]
+        n = calibration.planned(torch.device("cpu"), quick)
+        assert [re.match(r"calibrating: step (\d+)/(\d+): \S.* \(\d+ s elapsed\)$", ln).groups()
+                for ln in steps] == [(str(i), str(n)) for i in range(1, n + 1)]
+        lines.clear()

@@ -93,8 +93,11 @@ class Calibration:
     """The measured constants (a JSON dict) and where they are kept; sections for a compute
     device and dtype, and for a policy, are measured on first use and saved."""
 
-    def __init__(self, data: dict, path: str | None, measure_ok: bool = True):
+    def __init__(self, data: dict, path: str | None, measure_ok: bool = True, steps=None):
+        """steps: where each measuring step is reported (`Steps`); a calibration read from
+        its cache reports a section measured on first use with a Steps of its own."""
         self.data, self.path, self.measure_ok = data, path, measure_ok
+        self.steps = steps
 
     @property
     def synthetic(self) -> bool:
@@ -119,7 +122,9 @@ class Calibration:
             if alike and (self.synthetic or not self.measure_ok):
                 return devices[alike[0]]     # a file made elsewhere: the same device, another dtype
             self._need_measuring(key)
-            devices[key] = measure_device(torch.device(device), dtype, self.quick)
+            devices[key] = measure_device(torch.device(device), dtype, self.quick,
+                                          self.steps or Steps(7 * ROUNDS.get(
+                                              torch.device(device).type, 3)))
             self.save()
         return devices[key]
 
@@ -130,6 +135,7 @@ class Calibration:
         if key not in table:
             if self.synthetic or not self.measure_ok:
                 return synthetic_policy(self.data)
+            (self.steps or Steps(1))(f"the {spec.name} policy's hooks")
             table[key] = measure_policy(spec, torch.device(device), dtype, self.quick)
             self.save()
         return table[key]
@@ -170,8 +176,10 @@ def load(device: torch.device, threads: int | None = None, offload_dir: str | No
             pass                                      # a broken cache is measured again
     log(f"calibrating this machine (once; cached in {where})", file=sys.stderr)
     t0 = time.perf_counter()
+    steps = Steps(planned(device, quick), log)
     with _threads(threads):
-        cal = Calibration(measure_machine(device, offload_dir, quick) | {"machine": key}, where)
+        cal = Calibration(measure_machine(device, offload_dir, quick, steps) | {"machine": key},
+                          where, steps=steps)
         cal.device(device, default_dtype(device))
         if device.type == "cuda":        # attention where a CPU cache lives (--cpu-cache-compute)
             cal.device(torch.device("cpu"), default_dtype(device))
@@ -196,6 +204,37 @@ def cached(device: torch.device, threads: int | None = None) -> Calibration | No
     if data.get("schema") != SCHEMA or data.get("machine") != key:
         return None
     return Calibration(data, where, measure_ok=False)
+
+
+class Steps:
+    """One line per calibration step on stderr: what it measures, step i of N, elapsed: a
+    minute of measuring is never silent. N is an estimate made up front (`planned`); a
+    step past it raises N."""
+
+    def __init__(self, total: int, log=print):
+        self.total, self.done, self.log = total, 0, log
+        self.start = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        self.done += 1
+        self.total = max(self.total, self.done)
+        self.log(f"calibrating: step {self.done}/{self.total}: {what} "
+                 f"({time.perf_counter() - self.start:.0f} s elapsed)", file=sys.stderr,
+                 flush=True)
+
+
+def _quiet(what: str) -> None:
+    """A Steps stand-in that says nothing (measuring a section on first use, in a test)."""
+
+
+def planned(device: torch.device, quick: bool) -> int:
+    """How many Steps a first calibration of `device` takes: the machine's 4, then per round
+    of the compute device 7 (the CPU's 5 rounds plus 3 engine probes; a GPU's 3 rounds, and
+    the CPU's sections for --cpu-cache-compute after them)."""
+    rounds = 1 if quick else ROUNDS.get(device.type, 3)
+    compute = 7 * rounds + (0 if device.type == "cuda" else (1 if quick else 3))
+    cpu = 0 if device.type != "cuda" else 7 * (1 if quick else ROUNDS["cpu"]) + (1 if quick else 3)
+    return 4 + compute + cpu
 
 
 def read_file(path: str) -> Calibration:
@@ -265,18 +304,26 @@ def _fit(xs, ts) -> tuple[float, float]:
 
 # ---------------------------------------------------------------------------- the machine
 
-def measure_machine(device: torch.device, offload_dir: str | None, quick: bool) -> dict:
-    """Links, disk and host constants (the compute sections come per device and dtype)."""
+def measure_machine(device: torch.device, offload_dir: str | None, quick: bool,
+                    step=_quiet) -> dict:
+    """Links, disk and host constants (the compute sections come per device and dtype);
+    step(what) is called before each of its 4 steps."""
+    step("host-device copies")
     links = measure_links(device, (32 if quick else 256) * MB)
+    step("disk writes and reads")
     disk = measure_disk(offload_dir or tempfile.gettempdir(), (32 if quick else 256) * MB)
     gpu_gb = torch.cuda.get_device_properties(device).total_memory / (1 << 30) \
         if device.type == "cuda" else None
+    step("parallel lanes on the CPU cores")
+    parallel = measure_parallel(quick)
+    step("one lane job")
+    lane_job = measure_lane_job(device)
     return {"schema": SCHEMA, "quick": quick, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "gpu_memory_gb": gpu_gb,
             "links": {**links, **disk},
             "host_memory_gb": _mem_total_gb(),
-            "host": {"cores": _cores(), "parallel": measure_parallel(quick),
-                     "lane_job_s": measure_lane_job(device),
+            "host": {"cores": _cores(), "parallel": parallel,
+                     "lane_job_s": lane_job,
                      "disk_note": "read from the page cache through a fresh mapping of a "
                                   "just-written file (the cache cannot be dropped without root)"}}
 
@@ -388,31 +435,42 @@ def measure_lane_job(device: torch.device) -> float:
 ROUNDS = {"cpu": 5, "cuda": 3}
 
 
-def measure_device(device: torch.device, dtype: torch.dtype, quick: bool) -> dict:
+def measure_device(device: torch.device, dtype: torch.dtype, quick: bool, step=_quiet) -> dict:
     """Compute constants of one device and dtype (see the module docstring). On a machine
     shared with other work a disturbance can last seconds, longer than one measurement's
     repeats (each the best of a few), so everything is measured in ROUNDS rounds spread over
     time and each constant keeps its median (`_median_of`): what a run of many steps meets."""
     from flexevict.core.model import onednn_usable
     pack = onednn_usable(device, dtype)
-    rounds = []
-    for _ in range(1 if quick else ROUNDS.get(device.type, 3)):
+    n_rounds, rounds = 1 if quick else ROUNDS.get(device.type, 3), []
+    for r in range(n_rounds):
+        tag = f"{device.type} {dtype_name(dtype)}, round {r + 1}/{n_rounds}"
         out = {"pack": pack}
+        step(f"matrix products ({tag})")
         out.update(measure_matmul(device, dtype, quick))
+        step(f"weight preparation ({tag})")
         out["prepare"] = measure_prepare(device, dtype, quick) if pack else {}
+        step(f"memory bandwidth ({tag})")
         out["mem_bw"] = measure_mem_bw(device, (32 if quick else 256) * MB)
+        step(f"4-bit quantization ({tag})")
         out.update(measure_quant(device, dtype, quick))
+        step(f"attention ({tag})")
         out.update(measure_attention(device, dtype, quick))
+        step(f"per-layer overheads ({tag})")
         out["overhead"] = {arch: measure_overheads(arch, device, dtype, quick)
                            for arch in ("opt", "llama")}
+        step(f"a small model's steps ({tag})")
         out["probe"] = {arch: measure_probe(arch, device, dtype, quick)
                         for arch in ("opt", "llama")}
         rounds.append(out)
     out = _median_of(rounds)
     if device.type == "cpu":      # on a GPU a model this small is launch-bound
-        out["engine_probe"] = _median_of([{arch: measure_engine_probe(arch, device, dtype, quick)
-                                           for arch in ("opt", "llama")}
-                                          for _ in range(1 if quick else 3)])
+        probes = []
+        for r in range(1 if quick else 3):
+            step(f"the engine on a small model ({device.type}, {r + 1}/{1 if quick else 3})")
+            probes.append({arch: measure_engine_probe(arch, device, dtype, quick)
+                           for arch in ("opt", "llama")})
+        out["engine_probe"] = _median_of(probes)
     return out
 
 
