@@ -32,8 +32,9 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "slow: minutes of work (runs in CI and `bash tests/run.sh`; the fast tier, "
-                   "`bash tests/run.sh -m 'not slow'`, leaves it out)")
+        "markers", "slow: about 5 s or more, or a fixture of minutes (runs in CI and `bash "
+                   "tests/run.sh`; the fast tier, `bash tests/run.sh -m 'not slow'`, leaves it "
+                   "out)")
 
 
 # ------------------------------------------------------------------------ tiny HF models

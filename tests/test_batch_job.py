@@ -63,6 +63,7 @@ def committed_blocks(out):
     ("greedy", "INT", "before-commit", 2, 130),        # Ctrl-C mid-block
     ("h2o", "TERM", "after-commit", 2, 143),           # SIGTERM from a scheduler
 ])
+@pytest.mark.slow
 def test_stopped_job_reruns_to_the_same_bytes(tmp_path, tiny_dir, reference,  # noqa: F811
                                               run_name, sig, where, k, code):
     write_rows(tmp_path / "in.jsonl", ROWS)
@@ -127,6 +128,7 @@ def test_row_seeded_sampling_is_batch_invariant():
 
 # ------------------------------------------------------------------ refused reruns, --restart
 
+@pytest.mark.slow
 def test_changed_settings_or_input_are_refused_then_restart(tmp_path, tiny_dir,  # noqa: F811
                                                             reference):
     write_rows(tmp_path / "in.jsonl", ROWS)
@@ -220,6 +222,7 @@ def test_openai_batch_lines(tmp_path, tiny_dir, reference):  # noqa: F811
 
 # ------------------------------------------------------------------ --chat
 
+@pytest.mark.slow
 def test_chat_template_renders_like_transformers(smollm2_path, hf_smollm2_tokenizer,
                                                  engine_smollm2_tokenizer):
     from flexevict.jobs.chat import load_chat_template
@@ -237,6 +240,7 @@ def test_chat_template_renders_like_transformers(smollm2_path, hf_smollm2_tokeni
         chat, tokenize=True, add_generation_prompt=True, return_dict=False)
 
 
+@pytest.mark.slow
 def test_chat_job_on_smollm2(tmp_path, smollm2_path):
     """A prompt row and the same chat as messages give the same completion."""
     write_rows(tmp_path / "in.jsonl", [
@@ -255,6 +259,7 @@ def test_chat_without_a_template_is_refused_up_front(tmp_path, tiny_dir):  # noq
 
 # ------------------------------------------------------------------ bounded memory
 
+@pytest.mark.slow
 def test_a_100k_line_input_is_never_held_at_once(tmp_path, tiny_dir, monkeypatch):  # noqa: F811
     """The pre-pass holds one row at a time (and the ids seen); the job holds at most one
     look-ahead window of rows, whatever the input size. Rows alive are counted by weakref."""

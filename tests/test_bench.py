@@ -17,6 +17,7 @@ SMALL = ["--model", "opt-125m", "--device", "cpu", "--prompt-len", "24", "--gen-
          "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--no-warmup"]
 
 
+@pytest.mark.slow
 def test_result_block_and_json(tmp_path):
     out = tmp_path / "r.json"
     proc = run("bench", *SMALL, "--policy", "h2o", "--budget", "0.5",
@@ -42,6 +43,7 @@ def test_result_block_and_json(tmp_path):
     assert r["run"]["commit"] and r["run"]["torch"] and r["run"]["kernels"]
 
 
+@pytest.mark.slow
 def test_cut_gen_len_projects_the_rest(tmp_path):
     out = tmp_path / "r.json"
     proc = run("bench", *SMALL[:-5], "--gen-len", "12", "--cut-gen-len", "4", "--gpu-batch-size",
@@ -68,6 +70,7 @@ def test_projection_never_extrapolates_a_falling_line():
     assert latency == pytest.approx(sum(steps[1:]) + mean * (2047 - 63))
 
 
+@pytest.mark.slow
 def test_model_too_big_for_memory_gives_estimate_and_fix():
     proc = run("bench", "--model", "opt-175b", "--device", "cpu", "--gpu-batch-size", "1")
     assert_user_error(proc, "out of CPU memory", "opt-175b", "GiB", "--gpu-batch-size",
@@ -98,6 +101,7 @@ def test_memory_error_names_a_placement_that_fits():
     plan(percent, **switches).check(torch.device("cpu"), None, limit)   # it does fit
 
 
+@pytest.mark.slow
 def test_memory_error_predicts_the_placement_it_names():
     """With a calibration (the suite's fixed one), the error also predicts the placement it
     names, and the run's wall time in a person's units."""
@@ -218,6 +222,7 @@ def test_commit_from_the_environment_wins_over_a_found_git(monkeypatch):
         machine.git_commit.cache_clear()
 
 
+@pytest.mark.slow
 def test_bench_runs_without_git_on_path(tmp_path):
     expected = _git_head()
     out = tmp_path / "r.json"
@@ -355,6 +360,7 @@ with open(args.log_file, "a") as f:
 '''
 
 
+@pytest.mark.slow
 def test_flexgen_peer_runs_offline_for_any_opt_model(tmp_path):
     """FlexGen loads facebook/opt-30b's tokenizer whatever the model: the peer must put its
     stand-in there, in FlexGen's working folder, and keep the hub off."""

@@ -132,6 +132,7 @@ def test_every_script_has_a_case():
         f"cases without a script: {sorted(set(CASES) - set(SCRIPTS))}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_runs(script, tmp_path):
     if script not in CASES:

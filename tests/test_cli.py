@@ -188,6 +188,7 @@ def test_library_modules_import_no_command_line_module():
     assert {m: d for m, d in wrong.items() if d} == {}
 
 
+@pytest.mark.slow
 def test_plan_and_calibrate_help_describe_the_library():
     """--help keeps describing the search and the measurements, which moved to
     flexevict.runtime.search and flexevict.runtime.calibration."""

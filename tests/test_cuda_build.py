@@ -47,6 +47,7 @@ def test_kernel_sources_include_cuda_headers_only():
         assert not any(h in text for h in ("torch/", "ATen/", "c10/")), src.name
 
 
+@pytest.mark.slow
 @needs_nvcc
 @needs_cxx
 @pytest.mark.parametrize("unit", UNITS)
@@ -56,6 +57,7 @@ def test_cuda_unit_compiles_for_sm75_sm80_sm90(built, unit):
     assert r["rc"] == 0, f"{r['cmd']}\n{r['log']}"
 
 
+@pytest.mark.slow
 @needs_nvcc
 @needs_cxx
 def test_binding_compiles_against_the_installed_torch(built):
@@ -63,6 +65,7 @@ def test_binding_compiles_against_the_installed_torch(built):
     assert r["rc"] == 0, f"{r['cmd']}\n{r['log']}"
 
 
+@pytest.mark.slow
 @needs_nvcc
 @needs_cxx
 def test_extension_links_imports_and_rejects_bad_arguments(built):
@@ -178,6 +181,7 @@ def test_hash_codes_takes_its_limits_from_the_module(monkeypatch, limits, kernel
         assert kernels.hash_codes(x, proj).shape == (3, 2) and fake.called == []
 
 
+@pytest.mark.slow
 def test_an_installed_package_finds_its_cuda_sources(tmp_path):
     """A non-editable install (no checkout next to it) carries cuda/ as the package data of
     flexevict.cuda_sources, and the just-in-time build finds every source there."""

@@ -150,6 +150,7 @@ def test_compressed_weights_are_stored_at_4_bits(tmp_path):
         comp.close()
 
 
+@pytest.mark.slow
 def test_compression_perplexity_on_smollm2(smollm2_path, tmp_path):
     """4-bit cache: within 5% of uncompressed (decode path, 64 steps read the compressed cache).
     4-bit weights: reported, bounded loosely. The packaged SmolLM2 weights are already Q4_1
@@ -185,6 +186,7 @@ def test_positions_wrap_only_when_asked():
         e.run(prompts, 20, get_policy("full"), greedy)
 
 
+@pytest.mark.slow
 def test_generate_and_eval_clis_take_placement_flags(tmp_path):
     from test_cli import TINY, run
     from flexevict.io.weights import convert

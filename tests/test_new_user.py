@@ -25,6 +25,7 @@ def test_temperature_zero_is_greedy():
         generate(m, ps, 4, get_policy("full"), Sampling(greedy=False, temperature=-0.5))
 
 
+@pytest.mark.slow
 def test_cli_temperature_zero_matches_greedy(tiny_dir):  # noqa: F811
     args = ["--model", tiny_dir, "--prompt", "hello there", "--max-new-tokens", "12", "--seed", "3"]
     outs = {t: run("generate", *args, *(["--temperature", t] if t else []))
@@ -70,6 +71,7 @@ def test_too_long_prompt_is_named_before_the_model_loads(tmp_path, tiny_dir, mon
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_too_long_prompt_cli_message(tmp_path, tiny_dir):  # noqa: F811
     path = _write(tmp_path, [{"id": 1, "prompt": "ab"}, {"id": "long", "prompt": "x" * 80}])
     proc = run("generate", "--model", tiny_dir, "--input", path, "--output",
@@ -101,6 +103,7 @@ def test_every_cli_takes_threads(argv, tiny_dir):  # noqa: F811
 
 # ------------------------------------------------------------------ progress without a terminal
 
+@pytest.mark.slow
 def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, tiny_dir, monkeypatch):  # noqa: F811
     """Under a scheduler stderr is a file: periodic lines (here every step) replace the bar."""
     path = _write(tmp_path, [{"id": i, "prompt": "ab" * (i + 1)} for i in range(5)])
@@ -156,6 +159,7 @@ def test_bench_help_states_every_default():
         assert f"default {default}" in " ".join(block.split()), (flag, block)
 
 
+@pytest.mark.slow
 def test_bench_reports_anonymous_and_mapped_memory_apart(tmp_path, monkeypatch):
     """Weights on disk are memory-mapped files: their pages are not memory the run holds."""
     monkeypatch.setenv("FLEXEVICT_PROGRESS_SECONDS", "0")
@@ -194,6 +198,7 @@ def _bench_without_calibration(tmp_path, *extra):
     return proc, sorted(p.name for p in cache.glob("*")) if cache.exists() else []
 
 
+@pytest.mark.slow
 def test_bench_without_a_calibration_does_not_calibrate(tmp_path):
     """A first bench (no auto flag, no --predict) measures nothing for its prediction: it says
     how to get one instead of spending a minute calibrating."""
@@ -203,6 +208,7 @@ def test_bench_without_a_calibration_does_not_calibrate(tmp_path):
     assert "predicted: none" in proc.stdout and "python -m flexevict.calibrate" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_predicts_from_a_cached_calibration_without_measuring(tmp_path):
     """A calibration of this machine in the cache is read (never extended by measuring): the
     prediction is printed and the cached file is left as it was."""
@@ -224,6 +230,7 @@ def test_bench_predicts_from_a_cached_calibration_without_measuring(tmp_path):
     assert target.read_text() == before
 
 
+@pytest.mark.slow
 def test_bench_shows_progress_while_making_dummy_weights(monkeypatch):
     """bench's weight phase is not silent: a line per layer here (every 30 s by default), with
     the megabytes made and an ETA; generate's loading lines count megabytes too."""

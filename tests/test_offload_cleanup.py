@@ -22,6 +22,7 @@ def runs(folder) -> list[str]:
         if os.path.isdir(folder) else []
 
 
+@pytest.mark.slow
 def test_generate_and_eval_remove_their_run_folder(tmp_path, tiny_dir):  # noqa: F811
     off = tmp_path / "off"
     proc = run("generate", "--model", tiny_dir, "--prompt", "hello", "--max-new-tokens", "3",
@@ -71,6 +72,7 @@ def test_signals_remove_the_run_folder(tmp_path, tiny_dir, sig, code):  # noqa: 
     assert runs(off) == []
 
 
+@pytest.mark.slow
 def test_kill_9_leaves_files_only_until_the_next_run(tmp_path, tiny_dir):  # noqa: F811
     off = tmp_path / "off"
     proc = _start_long_job(tmp_path, tiny_dir, off)

@@ -75,6 +75,7 @@ def test_a_budget_fits_a_larger_batch_and_predicts_more_than_full():
 
 # ------------------------------------------------------------------------------ monotonicity
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vary", ["gpu", "cpu"])
 def test_more_memory_never_lowers_the_best_prediction(vary):
     m = model_for("opt-1.3b", 512, 32)
@@ -107,6 +108,7 @@ def test_a_smaller_budget_never_lowers_the_largest_feasible_batch():
 
 # ------------------------------------------------------------------------------ the search
 
+@pytest.mark.slow
 def test_the_search_is_exact(monkeypatch):
     """Pruning (shape bounds, dominated placements) never drops the best: the search agrees
     with a brute force over every placement of a small space, under a binding GPU limit."""
@@ -168,6 +170,7 @@ def test_the_cost_model_names_what_binds():
 
 # ------------------------------------------------------------------------------ CLI
 
+@pytest.mark.slow
 def test_infeasible_request_gives_one_line_with_the_binding_resource():
     proc = run("plan", "--model", "opt-125m", "--device", "cpu", "--prompt-len", "64",
                "--gen-len", "8", "--percent", "auto", "--gpu-batch-size", "auto",
@@ -256,6 +259,7 @@ def test_without_lengths_auto_plans_for_the_models_longest_run(monkeypatch, caps
 
 # ------------------------------------------------------------------------------ runs
 
+@pytest.mark.slow
 def test_bench_records_predicted_and_measured_per_phase(tmp_path):
     out = tmp_path / "r.json"
     proc = run("bench", "--model", "opt-125m", "--device", "cpu", "--prompt-len", "16",
@@ -271,6 +275,7 @@ def test_bench_records_predicted_and_measured_per_phase(tmp_path):
     assert "predicted bound: decode:" in proc.stdout
 
 
+@pytest.mark.slow
 def test_an_auto_plan_stays_under_a_tight_cpu_mem_limit_when_run(tmp_path):
     """Below what the all-in-memory placement needs, auto moves weights to disk; the run's
     measured anonymous memory stays under the limit."""
@@ -294,6 +299,7 @@ def test_an_auto_plan_stays_under_a_tight_cpu_mem_limit_when_run(tmp_path):
 
 # ------------------------------------------------------------------------------ calibration
 
+@pytest.mark.slow
 def test_quick_calibration_is_cached_per_machine_and_redone_on_request(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXEVICT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("FLEXEVICT_CALIBRATION")

@@ -8,6 +8,8 @@ import pytest
 from flexevict.errors import UserError
 from flexevict.policies import POLICIES, PolicySpec
 
+pytestmark = pytest.mark.slow          # every policy over 1024 tokens of real text: minutes
+
 BEAT_LOCAL = ["h2o", "streaming", "buzz", "cascade", "hashevict", "vatp"]
 
 

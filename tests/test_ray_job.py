@@ -44,6 +44,7 @@ def run_on_ray(tmp_path, model, workers, out="out.jsonl"):
     return (tmp_path / out).read_bytes()
 
 
+@pytest.mark.slow
 def test_one_or_two_workers_match_the_local_path(cluster, tmp_path, tiny_dir,  # noqa: F811
                                                  local_output):
     write_rows(tmp_path / "in.jsonl", ROWS)
@@ -54,6 +55,7 @@ def test_one_or_two_workers_match_the_local_path(cluster, tmp_path, tiny_dir,  #
     assert not os.path.exists(tmp_path / "two.jsonl.state")
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_job_still_gives_every_id_once(  # noqa: F811
         cluster, tmp_path, tiny_dir, local_output, monkeypatch):
     """The first worker to see the flag file deletes it and exits its process on its first
@@ -69,6 +71,7 @@ def test_a_worker_killed_mid_job_still_gives_every_id_once(  # noqa: F811
     assert got == local_output
 
 
+@pytest.mark.slow
 def test_a_job_stopped_here_finishes_on_ray(cluster, tmp_path, tiny_dir,  # noqa: F811
                                             local_output):
     """Both paths use the same commit log: kill -9 a local run after 2 blocks, rerun on Ray."""
@@ -80,6 +83,7 @@ def test_a_job_stopped_here_finishes_on_ray(cluster, tmp_path, tiny_dir,  # noqa
     assert summary["rows_resumed"] == 12 and summary["this_run"]["rows"] == len(ROWS) - 12
 
 
+@pytest.mark.slow
 def test_more_workers_than_the_cluster_holds_is_refused(cluster, tmp_path, tiny_dir,  # noqa: F811
                                                         capsys):
     write_rows(tmp_path / "in.jsonl", ROWS[:4])

@@ -141,6 +141,7 @@ def test_a_user_filler_replaces_the_haystack(tok):
     assert 252 <= s.tokens <= 256
 
 
+@pytest.mark.slow
 def test_task_end_to_end_with_the_full_cache(engine_smollm2):
     llm = engine_smollm2
     task = Retrieval(llm, lengths=(256,), kinds=("niah-single",), n=2)

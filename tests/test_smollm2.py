@@ -110,6 +110,7 @@ def test_tokenizer_special_and_round_trip(engine_smollm2_tokenizer, hf_smollm2_t
 
 # ------------------------------------------------------------------ (b) perplexity
 
+@pytest.mark.slow
 def test_perplexity_matches_transformers(engine_smollm2, hf_smollm2):
     text = long_text()
     got = engine_smollm2.score(text, max_tokens=512)
@@ -133,6 +134,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(engine_smollm2, hf_smollm2, monkeypatch):
     from transformers import GenerationConfig
     # generate() fills unset options from the model's generation_config (eos 2): drop it there

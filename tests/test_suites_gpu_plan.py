@@ -179,6 +179,7 @@ def test_run_shell_records_output_and_kills_on_timeout(tmp_path):
     assert ok == 3 and late == 124 and "hello" in log_path.read_text()
 
 
+@pytest.mark.slow
 def test_gpu_tests_plugin_keeps_only_the_tests_that_need_cuda():
     root = os.path.dirname(BENCH)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "flexevict.bench.gpu_tests",

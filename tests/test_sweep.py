@@ -47,6 +47,7 @@ def quick(tmp_path_factory, smollm2_path):
     return folder
 
 
+@pytest.mark.slow
 def test_quick_sweep_writes_results_tables_claims_and_plots(quick):
     c = cells(quick)
     evicting = [p for p in POLICIES if p != "full"]
@@ -73,6 +74,7 @@ def test_quick_sweep_writes_results_tables_claims_and_plots(quick):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_every_policy_beats_local_at_20_percent_perplexity(quick):
     c = cells(quick)
     local = c[("ppl", "local", 0.2)]["metrics"]["ppl"]
@@ -83,6 +85,7 @@ def test_every_policy_beats_local_at_20_percent_perplexity(quick):
     assert c[("ppl", "full", 1.0)]["metrics"]["ppl"] < local
 
 
+@pytest.mark.slow
 def test_full_equals_the_no_eviction_engine_exactly(quick, engine_smollm2):
     """The sweep's `full` row is `LLM.score_ids` with no policy, bit for bit, per document."""
     from flexevict.evaluation.tasks import Ppl
@@ -93,6 +96,7 @@ def test_full_equals_the_no_eviction_engine_exactly(quick, engine_smollm2):
         assert cell["metrics"]["per_doc"][name] == engine_smollm2.score_ids(ids)["ppl"]
 
 
+@pytest.mark.slow
 def test_reference_cells_are_exact(quick):
     c = cells(quick)
     assert c[("agreement", "full", 1.0)]["metrics"]["rouge_l"] == 1.0
@@ -101,6 +105,7 @@ def test_reference_cells_are_exact(quick):
     assert c[("attention-loss", "full", 1.0)]["metrics"]["attn_error"] == 0.0
 
 
+@pytest.mark.slow
 def test_attention_error_measures_eviction(quick):
     c = cells(quick)
     err = {p: c[("attention-loss", p, 0.2)]["metrics"] for p in POLICIES if p != "full"}
@@ -112,6 +117,7 @@ def test_attention_error_measures_eviction(quick):
     assert ran["local"]["attn_error"] > ran["h2o"]["attn_error"]  # no sinks: far off
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_cells_and_resumes_a_missing_one(quick, capsys):
     before = cells(quick)
     r = sweep(capsys, "--quick", "--out", quick)
@@ -133,6 +139,7 @@ def test_rerun_skips_finished_cells_and_resumes_a_missing_one(quick, capsys):
                if k != ("passkey", "h2o", 0.2))
 
 
+@pytest.mark.slow
 def test_text_override_replaces_the_packaged_texts(tmp_path, capsys, smollm2_path):
     text = tmp_path / "mine.txt"
     text.write_text(" ".join(f"Line {i}: the river rose {i} feet after the storm, and the town "
@@ -148,6 +155,7 @@ def test_text_override_replaces_the_packaged_texts(tmp_path, capsys, smollm2_pat
     assert c[("ppl", "h2o", 0.5)]["metrics"]["ppl"] < c[("ppl", "local", 0.5)]["metrics"]["ppl"]
 
 
+@pytest.mark.slow
 def test_stream_nll_batch_equals_each_document_alone(engine_smollm2):
     from flexevict.runtime.generation import stream_nll
     from flexevict.evaluation.tasks import first_tokens, wikipedia_text
@@ -192,6 +200,7 @@ def test_bad_input_is_one_line_error(tmp_path, capsys, argv, message):
     assert not os.path.exists(tmp_path / "o")                   # nothing loaded, nothing written
 
 
+@pytest.mark.slow
 def test_passkey_cli_retrieves_with_the_full_cache(capsys, smollm2_path):
     main(["passkey", "--length", "160", "--depths", "0.3,0.7", "--json"])
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -307,6 +316,7 @@ def test_concurrent_writers_lose_no_cell(tmp_path):
     assert len(load_results(path)["cells"]) == 80
 
 
+@pytest.mark.slow
 def test_a_policy_swept_again_under_a_label_with_its_own_arguments(quick, capsys):
     """`cascade@eager` is `cascade` with eager_fill: its own cells, keyed by label and
     arguments, next to the untagged policy's (already run, so not rerun)."""

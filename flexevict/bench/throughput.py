@@ -27,7 +27,7 @@ from flexevict.core import kernels
 from flexevict.api import DTYPES, resolve_device, resolve_model
 from flexevict.cli import (add_placement_args, add_policy_args, add_threads_arg, cpu_threads,
                    has_auto, placement_from_args, policy_spec)
-from flexevict.runtime.engine import Engine
+from flexevict.runtime.engine import Engine, check_length
 from flexevict.errors import UserError, cli_errors
 from flexevict.runtime.memory import DoesNotFit, MemoryPlan, GIB, out_of_memory
 from flexevict.policies import Policy, PolicySpec
@@ -102,6 +102,8 @@ def run(args) -> dict:
         raise UserError(f"--gpu-batch-size must be >= 1 (got {placement.gpu_batch_size})")
     n = placement.gpu_batch_size * placement.num_gpu_batches
     steps = min(args.cut_gen_len or args.gen_len, args.gen_len)
+    if not args.ignore_max_positions:          # before the weights load, not after
+        check_length(config, args.prompt_len, steps)
     spec = policy_spec(args)
     policy = spec.make()
     slots = policy.layout(args.prompt_len, args.gen_len).slots
