@@ -181,10 +181,16 @@ def device_label() -> str:
 
 
 def run_engine(c: dict, out: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "flexevict.bench", *c["argv"], "--json", out],
-                          capture_output=True, text=True)
+    return run_json([sys.executable, "-m", "flexevict.bench", *c["argv"], "--json", out], out)
+
+
+def run_json(argv: list[str], out: str) -> dict:
+    """Run a command that writes its result as JSON to `out` -> that result, or {"error": its
+    last stderr line, "stderr_tail": the last 40}. The stderr tail is echoed either way, so
+    warnings and tracebacks land in the caller's log too."""
+    proc = subprocess.run(argv, capture_output=True, text=True)
     lines = proc.stderr.strip().splitlines()
-    if lines:                   # warnings and tracebacks land in the call's log, not only here
+    if lines:
         print("\n".join(lines[-40:]), file=sys.stderr, flush=True)
     if proc.returncode != 0:
         return {"error": (lines or ["failed"])[-1], "stderr_tail": lines[-40:]}
@@ -241,14 +247,7 @@ def run_peer(c: dict, out: str) -> dict | None:
     argv = [sys.executable, os.path.join(HERE, "peers", script), *c["argv"], "--json", out]
     if peer.get("path"):
         argv += ["--path", peer["path"]]
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    lines = proc.stderr.strip().splitlines()
-    if lines:                   # warnings and tracebacks land in the call's log, not only here
-        print("\n".join(lines[-40:]), file=sys.stderr, flush=True)
-    if proc.returncode != 0:
-        return {"error": (lines or ["failed"])[-1], "stderr_tail": lines[-40:]}
-    with open(out) as f:
-        return json.load(f)
+    return run_json(argv, out)
 
 
 def summarize(name: str, rows: list[dict]) -> str:

@@ -123,8 +123,8 @@ class Calibration:
                 return devices[alike[0]]     # a file made elsewhere: the same device, another dtype
             self._need_measuring(key)
             devices[key] = measure_device(torch.device(device), dtype, self.quick,
-                                          self.steps or Steps(7 * ROUNDS.get(
-                                              torch.device(device).type, 3)))
+                                          self.steps or Steps(device_steps(
+                                              torch.device(device).type, self.quick)))
             self.save()
         return devices[key]
 
@@ -166,14 +166,9 @@ def load(device: torch.device, threads: int | None = None, offload_dir: str | No
     threads = threads or torch.get_num_threads()
     key = machine_key(device, threads)
     where = cache_path(key)
-    if not recalibrate and os.path.isfile(where):
-        try:
-            with open(where) as f:
-                data = json.load(f)
-            if data.get("schema") == SCHEMA and data.get("machine") == key:
-                return Calibration(data, where)
-        except (OSError, json.JSONDecodeError):
-            pass                                      # a broken cache is measured again
+    data = None if recalibrate else _read_cache(key)
+    if data is not None:
+        return Calibration(data, where)
     log(f"calibrating this machine (once; cached in {where})", file=sys.stderr)
     t0 = time.perf_counter()
     steps = Steps(planned(device, quick), log)
@@ -195,15 +190,19 @@ def cached(device: torch.device, threads: int | None = None) -> Calibration | No
     if os.environ.get("FLEXEVICT_CALIBRATION"):
         return read_file(os.environ["FLEXEVICT_CALIBRATION"])
     key = machine_key(device, threads or torch.get_num_threads())
-    where = cache_path(key)
+    data = _read_cache(key)
+    return None if data is None else Calibration(data, cache_path(key), measure_ok=False)
+
+
+def _read_cache(key: dict) -> dict | None:
+    """The cached calibration of machine `key`, or None when there is none, it is broken, or
+    it is of another schema or machine (then it is measured again)."""
     try:
-        with open(where) as f:
+        with open(cache_path(key)) as f:
             data = json.load(f)
     except (OSError, json.JSONDecodeError):
         return None
-    if data.get("schema") != SCHEMA or data.get("machine") != key:
-        return None
-    return Calibration(data, where, measure_ok=False)
+    return data if data.get("schema") == SCHEMA and data.get("machine") == key else None
 
 
 class Steps:
@@ -228,13 +227,17 @@ def _quiet(what: str) -> None:
 
 
 def planned(device: torch.device, quick: bool) -> int:
-    """How many Steps a first calibration of `device` takes: the machine's 4, then per round
-    of the compute device 7 (the CPU's 5 rounds plus 3 engine probes; a GPU's 3 rounds, and
-    the CPU's sections for --cpu-cache-compute after them)."""
-    rounds = 1 if quick else ROUNDS.get(device.type, 3)
-    compute = 7 * rounds + (0 if device.type == "cuda" else (1 if quick else 3))
-    cpu = 0 if device.type != "cuda" else 7 * (1 if quick else ROUNDS["cpu"]) + (1 if quick else 3)
-    return 4 + compute + cpu
+    """How many Steps a first calibration of `device` takes: the machine's 4, the compute
+    device's, and on a GPU the CPU's too (for --cpu-cache-compute)."""
+    cpu = device_steps("cpu", quick) if device.type == "cuda" else 0
+    return 4 + device_steps(device.type, quick) + cpu
+
+
+def device_steps(kind: str, quick: bool) -> int:
+    """Steps of `measure_device` on a device of `kind`: 7 per round, and on a CPU one per
+    engine probe."""
+    rounds = 1 if quick else ROUNDS.get(kind, 3)
+    return 7 * rounds + (0 if kind == "cuda" else ENGINE_PROBES[quick])
 
 
 def read_file(path: str) -> Calibration:
@@ -433,6 +436,7 @@ def measure_lane_job(device: torch.device) -> float:
 # each device constant: the median of this many rounds, spread over time (a shared CPU is the
 # noisier, and its rounds are cheaper than its share of a minute on a GPU machine)
 ROUNDS = {"cpu": 5, "cuda": 3}
+ENGINE_PROBES = {True: 1, False: 3}     # rounds of the CPU's engine probe, by quick
 
 
 def measure_device(device: torch.device, dtype: torch.dtype, quick: bool, step=_quiet) -> dict:
@@ -465,9 +469,9 @@ def measure_device(device: torch.device, dtype: torch.dtype, quick: bool, step=_
         rounds.append(out)
     out = _median_of(rounds)
     if device.type == "cpu":      # on a GPU a model this small is launch-bound
-        probes = []
-        for r in range(1 if quick else 3):
-            step(f"the engine on a small model ({device.type}, {r + 1}/{1 if quick else 3})")
+        probes, n_probes = [], ENGINE_PROBES[quick]
+        for r in range(n_probes):
+            step(f"the engine on a small model ({device.type}, {r + 1}/{n_probes})")
             probes.append({arch: measure_engine_probe(arch, device, dtype, quick)
                            for arch in ("opt", "llama")})
         out["engine_probe"] = _median_of(probes)

@@ -190,18 +190,14 @@ class MemoryPlan:
         need = self.needs(device)
         available = _mem_available()
         host_limit = min(x for x in (cpu_limit, available, float("inf")) if x is not None)
-        fits = lambda: self.fitting(device, gpu_limit, host_limit - process_anon())  # noqa: E731
-        if device.type == "cuda" and gpu_limit is not None and need["gpu"] > gpu_limit:
-            q = fits()
-            raise DoesNotFit(self._message("GPU", need, gpu_limit, fits=q or False), q)
         host = need["cpu"] + (need["gpu"] if device.type == "cpu" else 0)
+        if device.type == "cuda" and gpu_limit is not None and need["gpu"] > gpu_limit:
+            self._does_not_fit(device, gpu_limit, host_limit, "GPU", need, gpu_limit)
         if cpu_limit is not None and host + process_anon() > cpu_limit:
-            q = fits()
-            raise DoesNotFit(self._message("CPU", need, cpu_limit, host + process_anon(),
-                                           "--cpu-mem-limit", fits=q or False), q)
+            self._does_not_fit(device, gpu_limit, host_limit, "CPU", need, cpu_limit,
+                               host + process_anon(), "--cpu-mem-limit")
         if available is not None and host > available:
-            q = fits()
-            raise DoesNotFit(self._message("CPU", need, available, host, fits=q or False), q)
+            self._does_not_fit(device, gpu_limit, host_limit, "CPU", need, available, host)
         if need["disk"]:
             rundir.check_writable(self.placement.offload_dir)
             free = disk_free(self.placement.offload_dir)
@@ -210,35 +206,50 @@ class MemoryPlan:
                                 f"--offload-dir but {free / GIB:.1f} GiB free; choose another "
                                 "--offload-dir or keep more on the CPU (--percent)")
 
+    def _does_not_fit(self, device, gpu_limit, host_limit: float, *message) -> None:
+        """Raise DoesNotFit: `_message(*message)` with the placement `fitting` finds."""
+        fits = self.fitting(device, gpu_limit, host_limit - process_anon())
+        raise DoesNotFit(self._message(*message, fits=fits or False), fits)
+
     def fitting(self, device, gpu_limit: int | None, host_limit: float, step: int = 10):
         """The placement flags, --percent in steps of `step`, that fit the limits with this
         run's batch and activations and keep the most bytes on the GPU, then on the CPU (the
         least offloading; `python -m flexevict.plan` ranks by predicted speed instead): with
         the run's own switches, else adding --compress-weight, then --compress-cache too ->
         the Placement, or None when nothing fits. Memory only: no calibration needed.
-        host_limit: host bytes the run's tiers may take."""
-        p = self.placement
+        host_limit: host bytes the run's tiers may take. Like the search (`_frontier`), it adds
+        up `needs`' three parts, each computed once per option."""
+        p, pinned = self.placement, self.pinned(device)
         free = disk_free(p.offload_dir)
+        plan = lambda **change: MemoryPlan(self.config, dataclasses.replace(p, **change),  # noqa: E731
+                                           self.dtype, self.n, self.prompt_len, self.gen_len,
+                                           self.slots)
+        act = self.activation_part(pinned)
         pairs = [(g, c) for g in range(0, 101, step) for c in range(0, 101 - g, step)]
         for cw, cc in dict.fromkeys([(p.compress_weight, p.compress_cache),
                                      (True, p.compress_cache), (True, True)]):
+            weights = {(g, c): plan(w_gpu=g, w_cpu=c, compress_weight=cw).weight_part(pinned)
+                       for g, c in pairs}
+            caches = {}
+            for g, c in pairs:
+                cache = plan(cache_gpu=g, cache_cpu=c, compress_cache=cc)
+                try:
+                    cache.placement.checked()         # --compress-cache wants one tier
+                except UserError:
+                    continue
+                caches[g, c] = cache.cache_part(pinned)
             best, best_key = None, None
-            for wg, wc in pairs:
-                for cg, ccpu in pairs:
-                    try:
-                        q = dataclasses.replace(p, w_gpu=wg, w_cpu=wc, cache_gpu=cg,
-                                                cache_cpu=ccpu, compress_weight=cw,
-                                                compress_cache=cc).checked()
-                    except UserError:
-                        continue
-                    need = MemoryPlan(self.config, q, self.dtype, self.n, self.prompt_len,
-                                      self.gen_len, self.slots).needs(device)
+            for wp, w in weights.items():
+                for cp, c in caches.items():
+                    need = {t: w[t] + c[t] + act[t] for t in w}
                     if overflow(need, device, gpu_limit, host_limit, free) is None:
                         key = (need["gpu"], need["cpu"])
                         if best_key is None or key > best_key:
-                            best, best_key = q, key
+                            best, best_key = (*wp, *cp), key
             if best is not None:
-                return best
+                wg, wc, cg, ccpu = best
+                return dataclasses.replace(p, w_gpu=wg, w_cpu=wc, cache_gpu=cg, cache_cpu=ccpu,
+                                           compress_weight=cw, compress_cache=cc)
         return None
 
     def flags_of(self, q) -> str:
