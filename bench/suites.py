@@ -61,6 +61,9 @@ H2O_30B = {32: [("0 100 0 100 0 100", 52, 14), ("20 80 0 100 0 100", 48, 16)],
            1024: [("0 100 0 100 0 100", 44, 6), ("20 80 0 100 0 100", 40, 7)]}
 
 
+EAGER = ["--cuda-graphs", "false"]
+
+
 def case(name, model, prompt, gen, percent, gbs, nb, extra=(), policy=("full",), peer=None,
          cut=None):
     argv = ["--model", model, "--prompt-len", str(prompt), "--gen-len", str(gen),
@@ -115,20 +118,23 @@ def suite_h2o():
                 cases.append(case(f"{tag}-{pol[0]}", "opt-30b", 512, gen, percent, gbs, nb, extra,
                                   policy=pol, cut=8))
     long = ["--ignore-max-positions"]
-    for bs, pols in ((24, (("full",), ("h2o", 0.2))), (64, (("full",), ("h2o", 0.2)))):
-        for pol in pols:
-            # full's step grows with the context: projecting 2047 steps from 64 misses the
-            # curve, so batch 24 (the one that fits) runs uncut (~1.5 min on an H100); a
-            # budgeted policy's step is flat and projects well
-            cut = None if (bs, pol[0]) == (24, "full") else 64
+    for bs in (24, 64):
+        for pol in (("full",), ("h2o", 0.2)):
+            # uncut: full's step grows with the context (a projection misses the curve), and
+            # h2o's graphed steps capture one graph per ring position in their first lap
             cases.append(case(f"opt-6.7b-2048+2048-bs{bs}-{pol[0]}", "opt-6.7b", 2048, 2048,
-                              "100 0 100 0 100 0", bs, 1, long, policy=pol, cut=cut))
+                              "100 0 100 0 100 0", bs, 1, long, policy=pol))
+    # h2o with every step eager: its eviction share and what the graphs save, side by side
+    cases.append(case("opt-6.7b-2048+2048-bs24-h2o-eager", "opt-6.7b", 2048, 2048,
+                      "100 0 100 0 100 0", 24, 1, long + EAGER, policy=("h2o", 0.2), cut=256))
     return cases
 
 
 def suite_h2o_policies():
+    """The seed policies at 20%, every step eager so that each one's eviction share is timed
+    (graphed steps run the hooks untimed)."""
     return [case(f"opt-6.7b-2048+2048-bs24-{p}", "opt-6.7b", 2048, 2048, "100 0 100 0 100 0", 24,
-                 1, ["--ignore-max-positions"], policy=(p, 0.2), cut=64)
+                 1, ["--ignore-max-positions"] + EAGER, policy=(p, 0.2), cut=64)
             for p in ("h2o", "buzz", "cascade", "hashevict", "vatp")]
 
 
@@ -376,13 +382,9 @@ class _Parts:
             f"'no kernels carried from call 1: building them now') && {self.load}", 0.2,
             fallback_min=1.3)
         cached = f"bench/wheels/calibration/{CALIBRATION_GLOB}"
-        calibrate = f"{self.py} -m flexevict.calibrate --device cuda"
-        # call 1 measures the GPU for the cost model (~1 min); call 2 uses it when carried
-        # (or left on the warm machine), else a --quick one (seconds; the benches' predictions say "quick")
-        self.calibrate = (
-            Step("calibrate", calibrate, 1.0) if call == 1 else
-            Step("calibration", f"(ls {cached} 2>/dev/null && echo 'calibration carried from "
-                 f"call 1') || {calibrate} --quick", 0.1))
+        # the whole calibration of the GPU for the cost model (~1 min): a --quick one
+        # predicted the first H200 run's steps 5-40x too slow
+        self.calibrate = Step("calibrate", f"{self.py} -m flexevict.calibrate --device cuda", 1.0)
         # back with the policies' hook costs that the benches measured on first use
         self.calibration_back = Step("calibration back", f"cp {cached} {self.o}/", 0.0,
                                      (CALIBRATION_GLOB,))
@@ -406,8 +408,10 @@ BS24 = "opt-6.7b-2048+2048-bs24-"
 def _call1(p: _Parts) -> list[Step]:
     """Correctness and the headline, sized for a 15-minute lease (one machine start, this call
     and call 2 right after it while the machine is warm): the kernels just in time for this
-    GPU, every GPU-only test in parallel workers, the cost model's GPU calibration, h2o 20% vs
-    full uncut, the kernel benchmark. The deadline skips what does not fit."""
+    GPU, every GPU-only test in parallel workers, h2o 20% (graphed) vs full uncut and h2o
+    eager, FlexGen side by side, the other seed policies. The deadline skips what does not
+    fit, so the steps go in order of what matters most."""
+    policies = [BS24 + n for n in ("cascade", "hashevict", "buzz", "vatp")]
     return [
         p.install,
         # torch's just-in-time build under ninja for this GPU's architecture alone (32 s on
@@ -419,35 +423,32 @@ def _call1(p: _Parts) -> list[Step]:
              "--timeout 120 --continue-on-collection-errors -q -rs -p no:cacheprovider "
              f"--junitxml={p.o}/call1-gpu-tests.xml", 0.8, ("call1-gpu-tests.xml",),
              ok=(0, 5)),
-        # the whole calibration: a --quick one predicted the H200's steps 5-40x too slow
-        p.calibrate,
-        # 2047 steps of ~20 ms each (host-bound on the first H200 run) plus ~30 s of start,
-        # weights and warm-up per case
-        p.suite("h2o", [BS24 + "h2o", BS24 + "full"], "call1-h2o-bs24.json", 2.4),
-        Step("kernel benchmark", f"{p.py} -m flexevict.bench.kernels --json "
-             f"{p.o}/call1-kernels.json", 0.8, ("call1-kernels.json",)),
-        p.calibration_back,
-    ]
-
-
-def _call2(p: _Parts) -> list[Step]:
-    """The rest, on the machine call 1 left warm: batch 64, the other seed policies, the PCIe
-    bound, FlexGen side by side."""
-    policies = [BS24 + n for n in ("cascade", "hashevict", "buzz", "vatp")]
-    return [
-        p.install, p.kernels, p.calibrate,
-        # batch 64: h2o 20% fits; full (167 GiB of cache) fails its preflight in seconds
-        p.suite("h2o", ["opt-6.7b-2048+2048-bs64-h2o", "opt-6.7b-2048+2048-bs64-full"],
-                "call2-h2o-bs64.json", 1.0, cut=256),
-        p.suite("h2o-policies", policies, "call2-policies.json", 2.4, cut=256),
-        p.suite("bound", ["opt-6.7b-weights-cpu-bs8", "opt-6.7b-weights-cpu-bs32"],
-                "call2-bound.json", 1.5),
+        # full: 2047 eager steps of ~20-30 ms; h2o: one lap of 409 captures, then replays
+        p.suite("h2o", [BS24 + "h2o", BS24 + "full"], "call1-h2o-bs24.json", 2.3),
+        p.suite("h2o", [BS24 + "h2o-eager"], "call1-h2o-eager.json", 0.6),
         Step("flexgen install", f"{p.py} -m pip install -q --no-deps --no-index --target "
              f"{FLEXGEN_SITE} bench/wheels/{WHEEL_GLOBS['flexgen']}", 0.1),
         # flexevict ~0.5; FlexGen makes its all-ones weights as host arrays and copies them
         # (13.4 GB, ~1 min), warms up and runs 512 + 32 at batch 2 (~10 s)
-        p.suite("flexgen", ["opt-6.7b"], "call2-flexgen.json", 2.0,
+        p.suite("flexgen", ["opt-6.7b"], "call1-flexgen.json", 2.0,
                 env=f"FLEXGEN_PYTHON={p.py} PYTHONPATH={FLEXGEN_SITE} "),
+        # four cases of ~25 s start and 128 eager steps of ~20-50 ms
+        p.suite("h2o-policies", policies, "call1-policies.json", 2.1, cut=128),
+    ]
+
+
+def _call2(p: _Parts) -> list[Step]:
+    """The rest, on the machine call 1 left warm: batch 64, the PCIe bound at two batch
+    sizes, the cost model's calibration, the kernel benchmark."""
+    return [
+        p.install, p.kernels, p.calibrate,
+        # batch 64: h2o 20% fits; full (167 GiB of cache) fails its preflight in seconds
+        p.suite("h2o", ["opt-6.7b-2048+2048-bs64-h2o", "opt-6.7b-2048+2048-bs64-full"],
+                "call2-h2o-bs64.json", 1.5),
+        p.suite("bound", ["opt-6.7b-weights-cpu-bs8", "opt-6.7b-weights-cpu-bs32"],
+                "call2-bound.json", 1.5),
+        Step("kernel benchmark", f"{p.py} -m flexevict.bench.kernels --json "
+             f"{p.o}/call2-kernels.json", 0.8, ("call2-kernels.json",)),
         p.calibration_back,
     ]
 
@@ -471,7 +472,7 @@ def gpu_plan(call: int, out: str, py: str = "python3", so: str | None = None) ->
 
 
 def wheels_needed(call: int) -> list[str]:
-    return ["gguf", "flexgen"] if call == 2 else ["gguf"]
+    return ["gguf", "flexgen"] if call == 1 else ["gguf"]
 
 
 def missing_wheels(call: int) -> list[str]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -85,7 +86,10 @@ def add_placement_args(p: argparse.ArgumentParser, gpu_batch_size: int = 0):
                    help="GPU batches that share each loaded layer's weights, or auto (default 1)")
     for name, default, what in (("overlap", True, "overlap I/O with compute"),
                                 ("sep-layer", True, "schedule attention and MLP as two layers"),
-                                ("pin-weight", True, "pin CPU-resident weights (CUDA only)")):
+                                ("pin-weight", True, "pin CPU-resident weights (CUDA only)"),
+                                ("cuda-graphs", True, "replay steady decode steps of an evicting "
+                                 "run as CUDA graphs when everything is on the GPU; false: "
+                                 "eager, like vLLM's enforce_eager")):
         g.add_argument(f"--{name}", type=str2bool, nargs="?", const=True, default=default,
                        help=f"{what} (default {default})")
     for name, what in (("cpu-cache-compute", "run decode attention on the CPU where a CPU/disk "
@@ -155,6 +159,7 @@ def placement_from_args(args, config=None, lengths: tuple | None = None, device=
             sep_layer=args.sep_layer, pin_weight=args.pin_weight,
             cpu_cache_compute=args.cpu_cache_compute, compress_weight=args.compress_weight,
             compress_cache=args.compress_cache, offload_dir=args.offload_dir)
+    placement = dataclasses.replace(placement, cuda_graphs=args.cuda_graphs)
     if placement.uses_disk:
         rundir.check_writable(placement.offload_dir)
     return placement

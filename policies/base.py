@@ -55,6 +55,10 @@ class Policy:
     accumulates_attention = False   # buf.score[:n] += each step's attention, summed over the
                                     # query heads of a kv head (H2O); the model then fuses the
                                     # sum into its attention kernel (see `after_attention`)
+    graph_safe = False              # its decode hooks may be replayed as a CUDA graph: they
+                                    # change buffer tensors in place only, keep other state in
+                                    # the buffer's scalar attributes, never sync with the host
+                                    # (flexevict/runtime/graphs.py)
 
     def __post_init__(self):
         if self.budget is not None and not 0 < self.budget <= 1:

@@ -32,6 +32,7 @@ SPLITS = ("half", "buzz")
 class H2O(RingPolicy):
     split: str = "half"             # heavy/recent: the paper's halves, or BUZZ's T + k / w
     name = "h2o"
+    graph_safe = True
     needs_prompt_scores = True
     accumulates_attention = True
 

@@ -90,6 +90,7 @@ class HashEvict(RingPolicy):
     hash_source: str = "query"
     prompt_pool: str = "replay"       # not `prefill`: that is the hook
     name = "hashevict"
+    graph_safe = True
     needs_prompt_scores = False        # attention-free: plain SDPA prefill
     needs_prompt_queries = True        # the replay prefill wants the prompt queries (q=)
 

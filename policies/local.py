@@ -14,6 +14,7 @@ from flexevict.policies.base import RingPolicy
 @dataclass(frozen=True)
 class Local(RingPolicy):
     name = "local"
+    graph_safe = True
 
     def prefix_slots(self, capacity: int) -> int:
         return 0

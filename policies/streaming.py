@@ -16,6 +16,7 @@ from flexevict.policies.base import RingPolicy
 class Streaming(RingPolicy):
     sinks: int = 4
     name = "streaming"
+    graph_safe = True
     rope_in_cache = True
 
     def __post_init__(self):

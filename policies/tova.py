@@ -39,6 +39,7 @@ from flexevict.policies.base import Policy, kv_head_probs
 class TOVA(Policy):
     heads: str = "kv"
     name = "tova"
+    graph_safe = True
     min_slots = 2                     # one cached token + the token being decoded
     needs_prompt_scores = True
 

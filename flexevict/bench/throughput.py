@@ -313,8 +313,8 @@ def _result(args, config, placement, plan, policy, stats, device, n, steps) -> d
         "total_latency_s": total, "total_throughput": n * args.gen_len / total,
         "prefill_eviction_s": stats.prefill_eviction_seconds,
         "eviction_s": stats.eviction_seconds,
-        "eviction_share_of_decode": (stats.eviction_seconds / sum(stats.step_seconds[1:])
-                                     if len(stats.step_seconds) > 1 else None),
+        "eviction_share_of_decode": _eviction_share(stats),
+        "graphed_decode_steps": sum(stats.graphed[1:]), "graph_captures": stats.graph_captures,
         "evicts": stats.layout.evicts,
         "bytes_moved": stats.traffic,
         "positions_wrapped": args.ignore_max_positions,
@@ -322,6 +322,12 @@ def _result(args, config, placement, plan, policy, stats, device, n, steps) -> d
         "device": str(device), "step_seconds": stats.step_seconds,
         "run_info": run_metadata(device),
     }
+
+
+def _eviction_share(stats) -> float | None:
+    """The policy hooks' share of the eager decode steps (graphed steps run them untimed)."""
+    eager = [s for s, g in zip(stats.step_seconds[1:], stats.graphed[1:]) if not g]
+    return stats.eviction_seconds / sum(eager) if eager else None
 
 
 def _dtype_name(dtype) -> str:
@@ -333,10 +339,13 @@ def eviction_line(r: dict) -> str:
     the decode steps' time, decode-time work only."""
     if not r["evicts"]:
         return "eviction time: none (the cache holds every token)"
-    share = r["eviction_share_of_decode"]
-    of_decode = "" if share is None else f" ({100 * share:.1f}% of decode)"
+    share, graphed = r["eviction_share_of_decode"], r.get("graphed_decode_steps", 0)
+    of_decode = "" if share is None else f" ({100 * share:.1f}% of the eager decode steps)"
+    untimed = (f"; {graphed} decode steps ran as CUDA graphs ({r['graph_captures']} "
+               "captured), their eviction untimed (--cuda-graphs false times every step)"
+               if graphed else "")
     return (f"eviction time: prefill {r['prefill_eviction_s']:.3f} s, decode "
-            f"{r['eviction_s']:.3f} s{of_decode}")
+            f"{r['eviction_s']:.3f} s{of_decode}{untimed}")
 
 
 def format_block(r: dict) -> str:

@@ -16,6 +16,7 @@ copied in whole (it is budget-sized) and written back only where K/V changed.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from flexevict.core.kv import KVBuffer, Layout, zeros
 from flexevict.core.model import (LINEAR_WEIGHTS, PackedWeight, Transformer, load_layer_weights,
                     load_outer_weights, onednn_usable)
 from flexevict.policies import Policy
+from flexevict.runtime.graphs import CaptureFailed, DecodeGraphs
 from flexevict.runtime.offload import DONE, Lane, Tiers, Ticket, Traffic, load_into, store_into
 from flexevict.runtime.placement import DEFAULT_OFFLOAD_DIR, Placement
 
@@ -65,6 +67,7 @@ class Run:
     stored: list = field(default_factory=lambda: [DONE] * POOL)  # pool slot -> its last store
     home_stored: dict = field(default_factory=dict)   # (k, j) -> the home's latest store
     step_stores: list = field(default_factory=list)   # this token step's stores
+    graphs: DecodeGraphs | None = None                # its decode-step graphs, if it may use them
 
 
 @dataclass
@@ -72,7 +75,9 @@ class RunStats:
     layout: Layout | None = None                          # the run's resolved budget
     step_seconds: list = field(default_factory=list)     # per token step, prefill first
     prefill_eviction_seconds: float = 0.0     # policy hooks in the prefill (prompt selection)
-    eviction_seconds: float = 0.0             # policy hooks in the decode steps
+    eviction_seconds: float = 0.0             # policy hooks in the eager decode steps
+    graphed: list = field(default_factory=list)   # per token step: run through a CUDA graph
+    graph_captures: int = 0                       # (its eviction work is not timed apart)
     traffic: dict = field(default_factory=dict)
 
 
@@ -100,6 +105,8 @@ def split_weights(stage: Stage, layer: dict, outer: dict) -> dict:
 class Engine:
     """A model under a placement. Build with `Engine.load` (weights placed by the percents) or
     `Engine.resident` (an already loaded Transformer, everything on its device)."""
+
+    Graphs = DecodeGraphs       # the steady decode steps' CUDA graphs (tests put a CPU double)
 
     def __init__(self, model: Transformer, placement: Placement, homes: list[dict], tiers: Tiers):
         self.model, self.placement, self.homes, self.tiers = model, placement, homes, tiers
@@ -211,6 +218,8 @@ class Engine:
             cache_tiers = self.placement.cache_tiers(len(sizes))
             run = Run(self._allocate_cache(layout, sizes, cache_tiers, policy.fields(layout)),
                       cache_tiers, policy, EvictionClock(self.tiers.compute, layout.evicts))
+            if self._graphable(run, layout):
+                run.graphs = self.Graphs(self.tiers.compute)
             stats = self._run(run, tokens, valid, pos, sizes, steps, consume, until, limit)
         stats.layout = layout
         self.last_run = stats
@@ -232,9 +241,12 @@ class Engine:
                 if i > 0:
                     inputs = [self._step_input(next_pos[b] + (i - 1), None, limit)
                               for b in batches]
-                feed = self._step(run, i, feed, inputs, consume)
+                graphed = i > 0 and run.graphs is not None and _all_full(run.cache)
+                step = self._graph_step if graphed else self._step
+                feed = step(run, i, feed, inputs, consume)
                 _sync(self.tiers.compute)
                 stats.step_seconds.append(time.perf_counter() - t0)
+                stats.graphed.append(graphed and run.graphs is not None)
                 run.clock.drain()              # after the synchronize: every event completed
                 if i == 0:
                     stats.prefill_eviction_seconds = run.clock.seconds()
@@ -244,6 +256,7 @@ class Engine:
             for lane in self.lanes.values():       # no copy may outlive the run's buffers
                 lane.drain()
         stats.eviction_seconds = run.clock.seconds() - stats.prefill_eviction_seconds
+        stats.graph_captures = run.graphs.captures if run.graphs is not None else 0
         stats.traffic = self.traffic.as_dict()
         return stats
 
@@ -302,6 +315,39 @@ class Engine:
         for t in stores:                  # all of them: a ticket replaced in a pool slot too
             t.wait()
         return out
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _graphable(self, run: Run, layout: Layout) -> bool:
+        """Decode steps may run as CUDA graphs (graphs.py): a CUDA device, --cuda-graphs, a
+        graph_safe policy whose buffers fill (else no host state repeats), and every weight,
+        buffer and activation resident on the GPU (no copy lanes, no offloaded state)."""
+        p = self.placement
+        resident = all(h.tier == "gpu" and not isinstance(h.data, Packed4bit)
+                       for hs in self.homes for h in hs.values())
+        return (self.Graphs.supports(self.tiers.compute) and p.cuda_graphs
+                and run.policy.graph_safe and layout.evicts and resident
+                and set(run.cache_tiers) == {"gpu"} and not p.compress_cache
+                and p.act_tier == "gpu")
+
+    def _graph_step(self, run: Run, i, feed, inputs, consume):
+        """`_step` through the run's graphs: every layer up to the head replays, the head and
+        consume (sampling, the caller's bookkeeping) run eagerly after. Hooks are not timed."""
+        quiet = dataclasses.replace(run, clock=EvictionClock(self.tiers.compute, enabled=False))
+
+        def body(x):
+            hidden = []
+            self._step(quiet, i, x[0], x[1], lambda i, k, h, head: hidden.append(h))
+            return hidden
+        bufs = [b for batch in run.cache for b in batch]
+        try:
+            hidden = run.graphs.step(bufs, (feed, inputs), body)
+        except CaptureFailed as e:
+            print(f"flexevict: CUDA graphs are off for this run, its decode steps run eagerly "
+                  f"(a step could not be captured: {e})", file=sys.stderr)
+            run.graphs = None
+            return self._step(run, i, feed, inputs, consume)
+        w = self._load_weights(len(self.stages) - 1).wait()
+        return [consume(i, k, h, lambda x: self.model.head(x, w)) for k, h in enumerate(hidden)]
 
     def _compute(self, stage: Stage, w, h, inp, buf, run: Run):
         m = self.model
@@ -512,6 +558,11 @@ def _nbytes(x) -> int:
     if isinstance(x, PackedWeight):
         return 0
     return getattr(x, "nbytes", 0)
+
+
+def _all_full(cache) -> bool:
+    """Every buffer has filled its committed slots (a decode step's host state then repeats)."""
+    return all(b.used == b.capacity for batch in cache for b in batch)
 
 
 def _sync(device):

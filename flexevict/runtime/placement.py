@@ -33,6 +33,7 @@ class Placement:
     compress_weight: bool = False
     compress_cache: bool = False
     offload_dir: str = DEFAULT_OFFLOAD_DIR
+    cuda_graphs: bool = True         # replay steady decode steps as CUDA graphs (graphs.py)
 
     @classmethod
     def from_percent(cls, percent, **flags) -> "Placement":

@@ -1,0 +1,217 @@
+"""CUDA graphs of steady decode steps (runtime/graphs.py): on the CPU through a double that
+re-runs the step wherever a graph would replay (so the host-state bookkeeping, the static inputs
+and outputs and the refusal of unsafe policies are checked); on a GPU with real graphs."""
+import dataclasses
+
+import pytest
+import torch
+from tiny import CONFIGS, model_for, rand_prompts
+
+from flexevict.core.kv import Field
+from flexevict.io.weights import DummyWeights
+from flexevict.policies import POLICIES, get_policy
+from flexevict.policies.h2o import H2O
+from flexevict.runtime.engine import Engine
+from flexevict.runtime.generation import generate
+from flexevict.runtime.graphs import DecodeGraphs, host_state, set_host_state
+from flexevict.runtime.placement import Placement
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: real CUDA graphs")
+GRAPH_SAFE = sorted(n for n, cls in POLICIES.items() if cls.graph_safe)
+
+
+class _Rerun:
+    """A replay that runs the step again from the host state it was captured at."""
+
+    def __init__(self, body, static):
+        self.body, self.static, self.first = body, static, True
+        self.bufs = self.key = self.captured = None
+
+    def replay(self):
+        if self.first:                     # the capture itself ran the step
+            self.first = False
+            return
+        set_host_state(self.bufs, self.key)
+        out = self.body(self.static)
+        for dst, src in zip(self.captured.outputs, out):
+            dst.copy_(src)
+        assert host_state(self.bufs) == self.captured.after, "the step's host state is not " \
+                                                             "a function of its key"
+        set_host_state(self.bufs, self.key)   # a real replay runs no Python: it stays at key
+
+
+class RerunGraphs(DecodeGraphs):
+    """CPU double of DecodeGraphs: capture runs the step, and each later replay re-runs it
+    from the captured host state (a real graph would replay the captured kernels)."""
+
+    def __init__(self, device):
+        self.device, self.graphs, self.static = device, {}, None
+        self.captures = self.replays = 0
+        self._warm = False
+
+    @staticmethod
+    def supports(device):
+        return True
+
+    def _eager(self, body, inputs):
+        return body(inputs)
+
+    def _record(self, body):
+        outputs = body(self.static)
+        return _Rerun(body, self.static), outputs
+
+    def capture(self, bufs, key, body):
+        captured = super().capture(bufs, key, body)
+        g = captured.graph
+        g.bufs, g.key, g.captured = bufs, key, captured
+        return captured
+
+
+def _engine(arch: str, graphs: bool, device="cpu", **flags) -> Engine:
+    cfg = CONFIGS[arch]
+    p = Placement(cuda_graphs=graphs, **flags)
+    return Engine.load(cfg, DummyWeights(cfg, seed=0), p, device, torch.float32)
+
+
+@pytest.fixture
+def rerun(monkeypatch):
+    monkeypatch.setattr(Engine, "Graphs", RerunGraphs)
+    runs = []
+    real = Engine.run
+
+    def run(self, *a, **k):
+        stats = real(self, *a, **k)
+        runs.append(stats)
+        return stats
+    monkeypatch.setattr(Engine, "run", run)
+    return runs
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+@pytest.mark.parametrize("name", GRAPH_SAFE)
+def test_graphed_steps_give_the_eager_tokens(arch, name, rerun):
+    prompts = rand_prompts([30, 25, 40], seed=3)
+    policy = get_policy(name, budget_tokens=24)   # every policy's minimum fits; prompts overflow it
+    ref = generate(_engine(arch, graphs=False), prompts, 40, policy)
+    assert not any(rerun[-1].graphed)
+    assert generate(_engine(arch, graphs=True), prompts, 40, policy) == ref
+    stats = rerun[-1]
+    # every decode step of a buffer that fills at prefill goes through the graphs; the first
+    # is the warm-up, then one capture per host state (ring cursor) and replays after
+    assert stats.graphed == [False] + [True] * 39
+    assert 0 < stats.graph_captures < 38
+
+
+def test_one_graph_per_ring_position():
+    """h2o at 12 slots: 11 committed, half heavy, so the ring cycles through 6 cursors."""
+    layout = H2O(budget_tokens=12).layout(30, 40)
+    ring = layout.capacity - layout.prefix
+    runs = []
+    engine = _engine("opt", graphs=True)
+    engine.Graphs = RerunGraphs
+    real = engine._run
+    engine._run = lambda run, *a: runs.append(run) or real(run, *a)
+    generate(engine, rand_prompts([30], seed=1), 40, H2O(budget_tokens=12))
+    g = runs[0].graphs
+    assert g.captures == ring and g.replays == 38       # 39 decode steps, one warm-up
+
+
+def test_a_policy_that_reassigns_buffer_state_is_refused(rerun):
+    @dataclasses.dataclass(frozen=True)
+    class Reassigning(H2O):
+        def fields(self, layout):
+            return (Field("seen", ("rows",), torch.float32),)
+
+        def accumulate(self, buf, slot, probs, scored=False):
+            super().accumulate(buf, slot, probs, scored)
+            buf.policy_state["seen"] = buf.policy_state["seen"] + 1    # a new tensor
+    with pytest.raises(RuntimeError, match="not graph_safe"):
+        generate(_engine("opt", graphs=True), rand_prompts([30], seed=1), 10,
+                 Reassigning(budget_tokens=12))
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly(monkeypatch, capsys):
+    """A capture refused mid-step (say an op that synchronises) ran no kernel: the host state
+    is put back, the step and the rest of the run go eagerly, with one line saying so."""
+    class Refusing(RerunGraphs):
+        bufs = None
+
+        def capture(self, bufs, key, body):
+            Refusing.bufs = bufs
+            return super().capture(bufs, key, body)
+
+        def _record(self, body):
+            for b in Refusing.bufs:              # the Python of the step got this far
+                b.cursor = b.ring_start
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    prompts, policy = rand_prompts([30, 40], seed=2), get_policy("h2o", budget_tokens=12)
+    ref = generate(_engine("opt", graphs=False), prompts, 20, policy)
+    monkeypatch.setattr(Engine, "Graphs", Refusing)
+    e = _engine("opt", graphs=True)
+    assert generate(e, prompts, 20, policy) == ref
+    assert e.last_run.graphed == [False, True] + [False] * 18      # the warm-up, then eager
+    err = capsys.readouterr().err
+    assert err.count("CUDA graphs are off for this run") == 1 and "not permitted" in err
+
+
+@pytest.mark.parametrize("case", ["flag off", "full", "not graph_safe", "weights on cpu",
+                                  "cache on cpu", "budget holds all"])
+def test_graphs_only_where_a_step_can_be_replayed(case, rerun, tmp_path):
+    flags, policy = {}, get_policy("h2o", budget_tokens=12)
+    if case == "flag off":
+        flags = {"cuda_graphs": False}
+    elif case == "full":
+        policy = get_policy("full")
+    elif case == "not graph_safe":
+        policy = get_policy("cascade", budget_tokens=12)
+        assert not policy.graph_safe
+    elif case == "weights on cpu":
+        flags = {"w_gpu": 0, "w_cpu": 100}
+    elif case == "cache on cpu":
+        flags = {"cache_gpu": 0, "cache_cpu": 100}
+    elif case == "budget holds all":
+        policy = get_policy("h2o", budget=1.0)
+    cfg = CONFIGS["opt"]
+    p = Placement(**{"cuda_graphs": True, "offload_dir": str(tmp_path), **flags})
+    e = Engine.load(cfg, DummyWeights(cfg, seed=0), p, "cpu", torch.float32)
+    try:
+        generate(e, rand_prompts([30], seed=1), 8, policy)
+    finally:
+        e.close()
+    assert not any(rerun[-1].graphed)
+
+
+def test_the_cli_flag_reaches_the_placement():
+    from flexevict.bench.throughput import parse_args
+    from flexevict.cli import placement_from_args
+    assert placement_from_args(parse_args(["--model", "opt-125m"])).cuda_graphs
+    off = parse_args(["--model", "opt-125m", "--cuda-graphs", "false"])
+    assert not placement_from_args(off).cuda_graphs
+
+
+@CUDA
+@pytest.mark.parametrize("arch", CONFIGS)
+@pytest.mark.parametrize("name", GRAPH_SAFE)
+def test_real_graphs_give_the_eager_tokens_on_a_gpu(arch, name):
+    prompts = rand_prompts([30, 25, 40], seed=3)
+    policy = get_policy(name, budget_tokens=24)   # every policy's minimum fits; prompts overflow it
+    eager = _engine(arch, graphs=False, device="cuda")
+    ref = generate(eager, prompts, 60, policy)
+    graphed = _engine(arch, graphs=True, device="cuda")
+    assert generate(graphed, prompts, 60, policy) == ref
+    stats = graphed.last_run
+    assert sum(stats.graphed) == 59 and 0 < stats.graph_captures < 40
+
+
+@CUDA
+def test_real_graphs_on_the_resident_model_path():
+    """generate() with a loaded Transformer (Engine.resident) takes the graphs too."""
+    cfg = CONFIGS["llama-gqa"]
+    model = model_for("llama-gqa").load(cfg, DummyWeights(cfg, seed=0), device="cuda")
+    prompts = rand_prompts([30, 25], seed=4)
+    policy = get_policy("h2o", budget_tokens=12)
+    eager = Engine.resident(model)
+    eager.placement = dataclasses.replace(eager.placement, cuda_graphs=False)
+    graphed = Engine.resident(model)
+    assert generate(graphed, prompts, 30, policy) == generate(eager, prompts, 30, policy)
+    assert sum(graphed.last_run.graphed) == 29
