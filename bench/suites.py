@@ -381,13 +381,6 @@ class _Parts:
             "place kernels", f"(cp {_q(so) if so else KNOWN_SO} flexevict/ 2>/dev/null || echo "
             f"'no kernels carried from call 1: building them now') && {self.load}", 0.2,
             fallback_min=1.3)
-        cached = f"bench/wheels/calibration/{CALIBRATION_GLOB}"
-        # the whole calibration of the GPU for the cost model (~1 min): a --quick one
-        # predicted the first H200 run's steps 5-40x too slow
-        self.calibrate = Step("calibrate", f"{self.py} -m flexevict.calibrate --device cuda", 1.0)
-        # back with the policies' hook costs that the benches measured on first use
-        self.calibration_back = Step("calibration back", f"cp {cached} {self.o}/", 0.0,
-                                     (CALIBRATION_GLOB,))
 
     def suite(self, name, cases, file, minutes, cut=None, env="") -> Step:
         """Some cases of a suite; per-case files in the scratch folder, the summary in DIR."""
@@ -438,18 +431,29 @@ def _call1(p: _Parts) -> list[Step]:
 
 
 def _call2(p: _Parts) -> list[Step]:
-    """The rest, on the machine call 1 left warm: batch 64, the PCIe bound at two batch
-    sizes, the cost model's calibration, the kernel benchmark."""
+    """What call 1 showed, on a fresh machine: the GPU tests it failed (now eager where they
+    time or guard the policy hooks) and the graph tests; where an eager decode step's GPU time
+    goes (h2o 20% and full); FlexGen side by side (its bench stopped at --gpu-mem-limit);
+    batch 64; the PCIe bound at batch 32."""
+    profile = f"{p.py} bench/profile_decode.py --model opt-6.7b --batch 24 --prompt-len 2048"
     return [
-        p.install, p.kernels, p.calibrate,
+        p.install, p.kernels,
+        Step("GPU tests", f"{p.py} -m pytest -p flexevict.bench.gpu_tests tests -n 8 "
+             "--timeout 120 -q -rs -p no:cacheprovider -k 'never_syncs_on_gpu or "
+             f"timing_events or graphs' --junitxml={p.o}/call2-gpu-tests.xml", 0.4,
+             ("call2-gpu-tests.xml",), ok=(0, 5)),
+        Step("profile h2o", f"{profile} --policy h2o --json {p.o}/call2-profile-h2o.json", 0.6,
+             ("call2-profile-h2o.json",)),
+        Step("profile full", f"{profile} --policy full --json {p.o}/call2-profile-full.json",
+             0.6, ("call2-profile-full.json",)),
+        Step("flexgen install", f"{p.py} -m pip install -q --no-deps --no-index --target "
+             f"{FLEXGEN_SITE} bench/wheels/{WHEEL_GLOBS['flexgen']}", 0.1),
+        p.suite("flexgen", ["opt-6.7b"], "call2-flexgen.json", 1.5,
+                env=f"FLEXGEN_PYTHON={p.py} PYTHONPATH={FLEXGEN_SITE} "),
         # batch 64: h2o 20% fits; full (167 GiB of cache) fails its preflight in seconds
         p.suite("h2o", ["opt-6.7b-2048+2048-bs64-h2o", "opt-6.7b-2048+2048-bs64-full"],
-                "call2-h2o-bs64.json", 1.5),
-        p.suite("bound", ["opt-6.7b-weights-cpu-bs8", "opt-6.7b-weights-cpu-bs32"],
-                "call2-bound.json", 1.5),
-        Step("kernel benchmark", f"{p.py} -m flexevict.bench.kernels --json "
-             f"{p.o}/call2-kernels.json", 0.8, ("call2-kernels.json",)),
-        p.calibration_back,
+                "call2-h2o-bs64.json", 1.8),
+        p.suite("bound", ["opt-6.7b-weights-cpu-bs32"], "call2-bound.json", 1.0),
     ]
 
 
@@ -472,7 +476,7 @@ def gpu_plan(call: int, out: str, py: str = "python3", so: str | None = None) ->
 
 
 def wheels_needed(call: int) -> list[str]:
-    return ["gguf", "flexgen"] if call == 1 else ["gguf"]
+    return ["gguf", "flexgen"]
 
 
 def missing_wheels(call: int) -> list[str]:

@@ -111,6 +111,21 @@ def test_memory_error_predicts_the_placement_it_names():
                       "token/s, about ", "for the run")
 
 
+def test_gpu_mem_limit_names_the_device_index_torch_needs(monkeypatch):
+    """torch refuses a bare "cuda" device in set_per_process_memory_fraction (the first
+    FlexGen side-by-side on an H200 stopped there): the cap goes to the current device's index."""
+    from flexevict.bench import throughput
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: type("P", (), {"total_memory": 80 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, d: calls.append((f, d)))
+    assert throughput._set_gpu_limit(torch.device("cuda"), 16) == 16 * 2**30
+    assert throughput._set_gpu_limit(torch.device("cuda:1"), 40) == 40 * 2**30
+    assert calls == [(0.2, 3), (0.5, 1)]
+
+
 def test_gpu_mem_limit_needs_cuda():
     proc = run("bench", *SMALL, "--gpu-mem-limit", "16")
     assert_user_error(proc, "--gpu-mem-limit needs a CUDA device")

@@ -11,6 +11,7 @@ S x S mask (left padding handled by rolling rows, `model.causal_attention`); a p
 the prompt gets output and column sums from one blockwise pass
 (`kernels.prefill_attention_scores`); both are checked against eager softmax attention.
 """
+import dataclasses
 import functools
 
 import pytest
@@ -20,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 import flexevict.core.model as fmodel
 from flexevict.core import kernels
-from flexevict.runtime.engine import left_pad
+from flexevict.runtime.engine import Engine, left_pad
 from flexevict.runtime.generation import Sampling, generate
 from flexevict.core.kernels import ext
 from flexevict.core.kernels import reference as ref
@@ -233,8 +234,10 @@ def test_decode_step_never_syncs_on_gpu(name, arch, backend, monkeypatch):
     elif ext.load() is None:                    # build (or fail) before any guarded step
         pytest.fail("the CUDA kernels did not build (see the warning above)")
     model = Transformer.load(CONFIGS[arch], DummyWeights(CONFIGS[arch], seed=0), device="cuda")
+    engine = Engine.resident(model)      # eager: a graph replay would not call (or guard) hooks
+    engine.placement = dataclasses.replace(engine.placement, cuda_graphs=False)
     seen = guard_decode(monkeypatch, CudaSyncsAreErrors)
-    policy = run_policy(model, name)
+    policy = run_policy(engine, name)
     assert seen["steps"] == (NEW_TOKENS - 1) * CONFIGS[arch].num_layers
     if name != "full":
         assert policy.layout(max(PROMPTS), NEW_TOKENS).evicts and seen["evicting"] > 0

@@ -79,9 +79,9 @@ def test_dry_run_prints_two_calls_each_under_nine_minutes():
                                                                                 abs=0.051)
     cmds = " ".join(cmd for _, _, cmd in step.findall(out))
     for needle in ("ln -sfn ../policies flexevict/policies", "--no-index --target",
-                   "flexevict.bench.kernels --load", "flexevict.bench.kernels --json",
+                   "flexevict.bench.kernels --load",
                    "-p flexevict.bench.gpu_tests", "-n 8 --timeout 120",
-                   "FLEXGEN_PYTHON=", "--cut-gen-len 128", "flexevict.calibrate --device cuda"):
+                   "FLEXGEN_PYTHON=", "--cut-gen-len 128", "profile_decode.py"):
         assert needle in cmds, needle
 
 
@@ -156,7 +156,6 @@ def test_missing_wheels_fail_early_with_one_line(tmp_path, wheels, monkeypatch, 
     assert e.value.code == 2 and not fake.calls
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "flexgen-0.1.8-*.whl" in err[0] and "pip download" in err[0]
-    assert suites.missing_wheels(2) == []                 # call 2 needs only gguf
 
 
 def test_call_2_takes_carried_kernels(tmp_path, wheels, monkeypatch):
@@ -241,25 +240,6 @@ def test_peer_runs_when_the_engine_case_fits_or_fails_otherwise(tmp_path, monkey
                         lambda c, out: peers.append(c["name"]) or {"error": "flexgen failed"})
     suites.main(["flexgen", "--case", "opt-6.7b", "--out", str(tmp_path)])
     assert peers == ["opt-6.7b"]
-
-
-def test_call_2_calibrates_the_gpu_and_sends_the_calibration_back(tmp_path, wheels,
-                                                                  monkeypatch):
-    """Call 2 measures the GPU for the cost model before its benches (call 1's benches say
-    "predicted: none"); they find it through FLEXEVICT_CACHE_DIR, and it comes back."""
-    steps = suites.gpu_plan(2, "/out")
-    names = [s.name for s in steps]
-    cal = steps[names.index("calibrate")]
-    first_suite = min(i for i, s in enumerate(steps) if "suites.py" in s.cmd)
-    assert names.index(cal.name) < first_suite and "flexevict.calibrate --device cuda" in cal.cmd
-    assert "--quick" not in cal.cmd and steps[-1].outputs == (suites.CALIBRATION_GLOB,)
-    assert "calibrate" not in [s.name for s in suites.gpu_plan(1, "/out")]
-    out = tmp_path / "out"
-    out.mkdir()
-    fake = FakeRunner(out)
-    monkeypatch.setattr(suites, "run_shell", fake)
-    suites.run_call(2, str(out))
-    assert all(env["FLEXEVICT_CACHE_DIR"] == suites.CALIBRATION_DIR for _, _, env in fake.calls)
 
 
 def test_suite_tables_put_the_prediction_next_to_the_measurement(tmp_path, monkeypatch):

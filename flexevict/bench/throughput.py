@@ -414,7 +414,9 @@ def _set_gpu_limit(device, gb: float | None) -> int | None:
         return total
     if not 0 < gb * GIB <= total:
         raise UserError(f"--gpu-mem-limit {gb} GB: must be in (0, {total / GIB:.1f}] on this GPU")
-    torch.cuda.set_per_process_memory_fraction(gb * GIB / total, device)
+    # torch wants the device's index: a bare "cuda" (the --device default) is refused
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(gb * GIB / total, index)
     return int(gb * GIB)
 
 
