@@ -46,8 +46,10 @@ def decode_attention(q, k, v, valid, scale: float, score=None):
     logits = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)   # (R, g, n)
     p = torch.softmax(logits.float(), dim=-1)
     # no valid slot: 0, not NaN; unconditional, since asking the host whether any row is dead
-    # would make a GPU wait (on a CPU the fill costs about 2% of this function)
-    p.masked_fill_(~valid.any(dim=0).view(-1, 1, 1), 0.0)
+    # would make a GPU wait. Such a row's logits are all -inf: their max (a reduction along the
+    # contiguous slot axis) finds it; valid.any(dim=0), a strided one, took 7.6% of an H200
+    # decode step's GPU time (bench/results/README.md, the profile)
+    p.masked_fill_(logits.amax(dim=-1, keepdim=True) == float("-inf"), 0.0)
     out = torch.bmm(p.to(vals.dtype), vals)
     if score is not None:
         accumulate_scores(score, p)
