@@ -74,7 +74,13 @@ def _engine(arch: str, graphs: bool, device="cpu", **flags) -> Engine:
 
 
 @pytest.fixture
-def rerun(monkeypatch):
+def short_runs(monkeypatch):
+    """Graphs even for runs too short to pay them back (tests run tens of steps)."""
+    monkeypatch.setattr(Engine, "GRAPH_REPLAYS", 0)
+
+
+@pytest.fixture
+def rerun(monkeypatch, short_runs):
     monkeypatch.setattr(Engine, "Graphs", RerunGraphs)
     runs = []
     real = Engine.run
@@ -102,7 +108,7 @@ def test_graphed_steps_give_the_eager_tokens(arch, name, rerun):
     assert 0 < stats.graph_captures < 38
 
 
-def test_one_graph_per_ring_position():
+def test_one_graph_per_ring_position(short_runs):
     """h2o at 12 slots: 11 committed, half heavy, so the ring cycles through 6 cursors."""
     layout = H2O(budget_tokens=12).layout(30, 40)
     ring = layout.capacity - layout.prefix
@@ -130,7 +136,7 @@ def test_a_policy_that_reassigns_buffer_state_is_refused(rerun):
                  Reassigning(budget_tokens=12))
 
 
-def test_a_step_that_cannot_be_captured_runs_eagerly(monkeypatch, capsys):
+def test_a_step_that_cannot_be_captured_runs_eagerly(monkeypatch, capsys, short_runs):
     """A capture refused mid-step (say an op that synchronises) ran no kernel: the host state
     is put back, the step and the rest of the run go eagerly, with one line saying so."""
     class Refusing(RerunGraphs):
@@ -181,6 +187,19 @@ def test_graphs_only_where_a_step_can_be_replayed(case, rerun, tmp_path):
     assert not any(rerun[-1].graphed)
 
 
+@pytest.mark.parametrize("steps,graphed", [(5 * 6 - 1, False), (5 * 6, True)])
+def test_graphs_only_for_runs_long_enough_to_pay_them_back(steps, graphed, monkeypatch):
+    """h2o at 12 slots cycles through 6 ring positions: one capture each pays back after
+    GRAPH_REPLAYS (5) laps, so 29 decode steps run eagerly and 30 take the graphs."""
+    monkeypatch.setattr(Engine, "Graphs", RerunGraphs)
+    policy = H2O(budget_tokens=12)
+    assert policy.graph_states(policy.layout(30, steps + 1)) == 6
+    e = _engine("opt", graphs=True)
+    generate(e, rand_prompts([30], seed=1), steps + 1, policy)
+    assert any(e.last_run.graphed) == graphed
+    assert get_policy("tova", budget_tokens=12).graph_states(policy.layout(30, 9)) == 1
+
+
 def test_the_cli_flag_reaches_the_placement():
     from flexevict.bench.throughput import parse_args
     from flexevict.cli import placement_from_args
@@ -192,7 +211,7 @@ def test_the_cli_flag_reaches_the_placement():
 @CUDA
 @pytest.mark.parametrize("arch", CONFIGS)
 @pytest.mark.parametrize("name", GRAPH_SAFE)
-def test_real_graphs_give_the_eager_tokens_on_a_gpu(arch, name):
+def test_real_graphs_give_the_eager_tokens_on_a_gpu(arch, name, short_runs):
     prompts = rand_prompts([30, 25, 40], seed=3)
     policy = get_policy(name, budget_tokens=24)   # every policy's minimum fits; prompts overflow it
     eager = _engine(arch, graphs=False, device="cuda")
@@ -204,7 +223,7 @@ def test_real_graphs_give_the_eager_tokens_on_a_gpu(arch, name):
 
 
 @CUDA
-def test_real_graphs_on_the_resident_model_path():
+def test_real_graphs_on_the_resident_model_path(short_runs):
     """generate() with a loaded Transformer (Engine.resident) takes the graphs too."""
     cfg = CONFIGS["llama-gqa"]
     model = model_for("llama-gqa").load(cfg, DummyWeights(cfg, seed=0), device="cuda")

@@ -107,6 +107,11 @@ class Engine:
     `Engine.resident` (an already loaded Transformer, everything on its device)."""
 
     Graphs = DecodeGraphs       # the steady decode steps' CUDA graphs (tests put a CPU double)
+    # Decode steps per graph a run needs before it captures any: a capture costs an eager step
+    # plus a replay, and a replay saved about a quarter of an eager step on an H200 (OPT-6.7B,
+    # batch 24: 31-34 ms to capture, 13.0 ms to replay, 17.0 ms eager), so a graph pays back
+    # after about four replays
+    GRAPH_REPLAYS = 5
 
     def __init__(self, model: Transformer, placement: Placement, homes: list[dict], tiers: Tiers):
         self.model, self.placement, self.homes, self.tiers = model, placement, homes, tiers
@@ -218,7 +223,7 @@ class Engine:
             cache_tiers = self.placement.cache_tiers(len(sizes))
             run = Run(self._allocate_cache(layout, sizes, cache_tiers, policy.fields(layout)),
                       cache_tiers, policy, EvictionClock(self.tiers.compute, layout.evicts))
-            if self._graphable(run, layout):
+            if self._graphable(run, layout, steps):
                 run.graphs = self.Graphs(self.tiers.compute)
             stats = self._run(run, tokens, valid, pos, sizes, steps, consume, until, limit)
         stats.layout = layout
@@ -317,17 +322,19 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ CUDA graphs
-    def _graphable(self, run: Run, layout: Layout) -> bool:
+    def _graphable(self, run: Run, layout: Layout, steps: int) -> bool:
         """Decode steps may run as CUDA graphs (graphs.py): a CUDA device, --cuda-graphs, a
-        graph_safe policy whose buffers fill (else no host state repeats), and every weight,
-        buffer and activation resident on the GPU (no copy lanes, no offloaded state)."""
+        graph_safe policy whose buffers fill (else no host state repeats), every weight, buffer
+        and activation resident on the GPU (no copy lanes, no offloaded state), and a run long
+        enough for its graphs to pay back (`GRAPH_REPLAYS`)."""
         p = self.placement
         resident = all(h.tier == "gpu" and not isinstance(h.data, Packed4bit)
                        for hs in self.homes for h in hs.values())
         return (self.Graphs.supports(self.tiers.compute) and p.cuda_graphs
                 and run.policy.graph_safe and layout.evicts and resident
                 and set(run.cache_tiers) == {"gpu"} and not p.compress_cache
-                and p.act_tier == "gpu")
+                and p.act_tier == "gpu"
+                and steps - 1 >= self.GRAPH_REPLAYS * run.policy.graph_states(layout))
 
     def _graph_step(self, run: Run, i, feed, inputs, consume):
         """`_step` through the run's graphs: every layer up to the head replays, the head and
