@@ -63,17 +63,17 @@ def main(argv=None):
             prof.start()
             walls.append(time.perf_counter())
         return step[0] >= 1 + WARM_STEPS + args.steps
-    stats = engine.run(prompts, 1 + WARM_STEPS + args.steps + 1, policy, consume,
-                       until=until, plan_steps=args.gen_len, wrap_positions=True)
+    run = engine.run(prompts, 1 + WARM_STEPS + args.steps + 1, policy, consume,
+                     until=until, plan_steps=args.gen_len, wrap_positions=True)
     prof.stop()
-    result = summarize(prof, args, config, stats)
+    result = summarize(prof, args, config, run)
     print(result["table"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
 
-def summarize(prof, args, config, stats) -> dict:
+def summarize(prof, args, config, run) -> dict:
     """Kernels by total GPU time per step; the step's wall time and bytes to read."""
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     per_step = lambda us: us / args.steps / 1e3  # noqa: E731  (us over the steps -> ms/step)
@@ -81,8 +81,8 @@ def summarize(prof, args, config, stats) -> dict:
                        "calls_per_step": e.count / args.steps} for e in events),
                      key=lambda k: -k["ms_per_step"])
     gpu_ms = sum(k["ms_per_step"] for k in kernels) or float("nan")
-    steps = stats.step_seconds[-args.steps:]
-    slots = stats.layout.slots
+    steps = run.stats.step_seconds[-args.steps:]
+    slots = run.layout.slots
     cache = 2 * config.num_layers * args.batch * config.num_kv_heads * config.dim_head * 2 * slots
     weights = config.weight_bytes("float16")
     lines = [f"{args.model} batch {args.batch}, {args.policy} ({slots} slots): "

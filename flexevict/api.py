@@ -14,8 +14,8 @@ import torch
 
 from flexevict.core.config import ModelConfig, registry_config, with_overrides
 from flexevict.errors import UserError
-from flexevict.runtime.engine import Engine
-from flexevict.runtime.generation import Sampling, generate, plan_batches, token_nll
+from flexevict.runtime.engine import Engine, resolved_layout
+from flexevict.runtime.generation import Sampling, generate, plan_batches, stream_nll
 from flexevict.io.packaged import PACKAGED_MODELS
 from flexevict.runtime.placement import Placement
 from flexevict.policies import PolicySpec
@@ -74,7 +74,6 @@ class LLM:
         if dtype not in DTYPES:
             raise UserError(f"unknown --dtype '{dtype}' ({', '.join(DTYPES)})")
         self.tokenizer = load_tokenizer(self.path)
-        self.resolved: list[dict] = []        # each run's policy budget, as resolved
         source = open_weights(self.path, self.config, seed)
         self.placement = placement or Placement()
         try:
@@ -89,14 +88,14 @@ class LLM:
     def generate(self, prompts: list[str], max_new_tokens: int = 32,
                  sampling: Sampling = Sampling(), policy: PolicySpec | str = "full",
                  batch_size: int = 8, stop_ids=None, progress: bool = False) -> list[dict]:
-        """-> one dict per prompt, in order: {"completion", "tokens", "ids"}.
+        """-> one dict per prompt, in order: {"completion", "tokens", "ids", "resolved"}
+        ("resolved": the policy's budget as its batch resolved it, `Policy.describe`).
 
         Prompts are grouped by length into batches of `batch_size` (with --gpu-batch-size:
         gpu_batch_size x num_gpu_batches) to limit padding; with an evicting policy only prompts
         whose budget resolves alike share a batch (`generation.plan_batches`), so a prompt's
-        greedy tokens never depend on the other prompts. The policy's resolved budget of each
-        batch is appended to `self.resolved`. (`flexevict.generate --input` runs files of any
-        size through `generate_block`, block by block: see flexevict/jobs.)
+        greedy tokens never depend on the other prompts. (`flexevict.generate --input` runs
+        files of any size through `generate_block`, block by block: see flexevict/jobs.)
         """
         p = self.placement
         if p.gpu_batch_size:
@@ -112,10 +111,9 @@ class LLM:
             for batch in batches:
                 outs, resolved = self.generate_block([encoded[i] for i in batch], max_new_tokens,
                                                      sampling, spec, stop_ids)
-                self.resolved.append(resolved)
                 for i, ids in zip(batch, outs):
                     results[i] = {"completion": self.tokenizer.decode(ids), "tokens": len(ids),
-                                  "ids": ids}
+                                  "ids": ids, "resolved": resolved}
                 bar.update(len(batch), sum(len(ids) for ids in outs))
         return results
 
@@ -130,7 +128,7 @@ class LLM:
         stop = tuple(self.config.eos_token_ids) if stop_ids is None else tuple(stop_ids)
         outs = generate(self.engine, encoded, max_new_tokens, pol, sampling, stop, self.pad_id,
                         row_seeds)
-        return outs, pol.describe(self.engine.last_run.layout)
+        return outs, pol.describe(resolved_layout(pol, encoded, max_new_tokens))
 
     @property
     def pad_id(self) -> int:
@@ -145,15 +143,15 @@ class LLM:
     def score_ids(self, ids: list[int], policy: PolicySpec | str = "full",
                   prefill_tokens: int | None = None, progress: bool = False) -> dict:
         """Perplexity of ids; with eviction, tokens after the prefill go one at a time through
-        the decode path. -> {"tokens", "nll", "ppl", "slots"}."""
+        the decode path. -> {"tokens", "nll", "ppl", "slots", "resolved"} (the policy's
+        budget as resolved, `Policy.describe`)."""
         if len(ids) < 2:
             raise UserError(f"text has {len(ids)} token(s); perplexity needs at least 2")
         pol = as_spec(policy).make()
-        nll = token_nll(self.engine, ids, pol, prefill_tokens, progress=progress)
+        nll, layout = stream_nll(self.engine, [ids], pol, prefill_tokens, progress=progress)
         mean = float(nll.double().mean())
-        layout = self.engine.last_run.layout
-        self.resolved.append(pol.describe(layout))
-        return {"tokens": len(ids), "nll": mean, "ppl": math.exp(mean), "slots": layout.slots}
+        return {"tokens": len(ids), "nll": mean, "ppl": math.exp(mean), "slots": layout.slots,
+                "resolved": pol.describe(layout)}
 
     def score(self, text: str, max_tokens: int | None = None, policy: PolicySpec | str = "full",
               prefill_tokens: int | None = None, progress: bool = False) -> dict:

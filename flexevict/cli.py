@@ -215,13 +215,19 @@ def policy_spec(args):
     return PolicySpec.parse(args.policy, args.budget, args.budget_tokens, args.policy_arg)
 
 
+def distinct(items) -> list:
+    """The items in order, each once (dicts too, which a set cannot hold)."""
+    seen = []
+    for x in items:
+        if x not in seen:
+            seen.append(x)
+    return seen
+
+
 def print_resolved(resolved: list[dict]):
     """Every CLI prints the policy's resolved slots (once per distinct resolution)."""
-    seen = []
-    for r in resolved:
-        if r not in seen:
-            seen.append(r)
-            print("resolved budget: " + " ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr)
+    for r in distinct(resolved):
+        print("resolved budget: " + " ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr)
 
 
 def load_llm(args, progress: bool = True):

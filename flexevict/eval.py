@@ -21,8 +21,8 @@ import argparse
 import json
 import os
 
-from flexevict.cli import (add_model_args, check_prompts, cpu_threads, load_llm, policy_spec,
-                  print_resolved, read_jsonl_prompts, read_text)
+from flexevict.cli import (add_model_args, check_prompts, cpu_threads, distinct, load_llm,
+                  policy_spec, print_resolved, read_jsonl_prompts, read_text)
 from flexevict.errors import UserError, cli_errors
 from flexevict.io.packaged import SWEEP_INSTALL, missing_sweep_needs
 from flexevict.policies import PolicySpec
@@ -95,7 +95,7 @@ def run_ppl(args) -> dict:
     llm = load_llm(args, progress=not args.json)
     result = llm.score(text, max_tokens=args.max_tokens, policy=spec,
                        prefill_tokens=args.prefill_tokens, progress=not args.json)
-    print_resolved(llm.resolved)
+    print_resolved([result.pop("resolved")])
     return {"model": llm.config.name, "policy": args.policy, "budget": budget_label(args), **result}
 
 
@@ -108,15 +108,15 @@ def run_agreement(args) -> dict:
     # exactly max_new_tokens each (no stop tokens) so both runs are compared step for step
     ref = llm.generate(prompts, args.max_new_tokens, policy=PolicySpec("full"),
                        batch_size=args.batch_size, stop_ids=(), progress=not args.json)
-    llm.resolved.clear()
     out = llm.generate(prompts, args.max_new_tokens, policy=spec, batch_size=args.batch_size,
                        stop_ids=(), progress=not args.json)
-    print_resolved(llm.resolved)
+    resolved = distinct(o["resolved"] for o in out)
+    print_resolved(resolved)
     scores = compare(out, ref)
     for row, per in zip(rows, scores["per_prompt"]):
         per["id"] = row.get("id")
     return {"model": llm.config.name, "policy": args.policy, "budget": budget_label(args),
-            "slots": [r["slots"] for r in llm.resolved], "prompts": len(rows),
+            "slots": [r["slots"] for r in resolved], "prompts": len(rows),
             "max_new_tokens": args.max_new_tokens, **scores}
 
 
@@ -135,7 +135,7 @@ def run_passkey(args) -> dict:
     llm = load_llm(args, progress=not args.json)
     task = Passkey(llm, text, length=args.length, depths=depths, repeats=1, seed=args.seed)
     result = task.run(llm, spec)
-    print_resolved(llm.resolved)
+    print_resolved([{"slots": result["slots"]}])
     return {"model": llm.config.name, "policy": args.policy, "budget": budget_label(args),
             "keys": task.keys, **task.settings, **result}
 

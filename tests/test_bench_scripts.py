@@ -65,8 +65,14 @@ def check_eviction_cost(out, stdout, tmp):
 
 def check_suites(out, stdout, tmp):
     assert "call 1: FLEXEVICT_COMMIT=" in stdout
-    assert "-m flexevict.calibrate --device cuda" in stdout
+    assert "bench/profile_decode.py --model opt-6.7b" in stdout
     assert "min  h2o suite" in stdout and "total " in stdout
+
+
+def check_profile(out, stdout, tmp):
+    r = _json(out)
+    assert r["slots"] == 6 and r["wall_ms_per_step"] > 0 and r["device"] == "cpu"
+    assert "opt-125m batch 2, h2o (6 slots)" in stdout     # a CPU has no kernel table
 
 
 def check_help(out, stdout, tmp):
@@ -114,6 +120,10 @@ CASES = {
                           "--out", "PREFIX"], check_eviction_cost),
     # the GPU calls' plan (every suite of them needs a GPU; the CPU suite takes minutes)
     "suites.py": (["gpu", "--dry-run"], check_suites),
+    # where a decode step's GPU time goes; on a CPU only its wall time
+    "profile_decode.py": (["--model", "opt-125m", "--batch", "2", "--prompt-len", "16",
+                           "--gen-len", "16", "--steps", "1", "--device", "cpu", "--json", "OUT"],
+                          check_profile),
     # kvpress lives in its own environment (transformers < 5.3): its command line only
     "accuracy/kvpress_peer.py": (["--help"], check_help),
     # the export half (the compare half needs kvpress's output)

@@ -82,15 +82,16 @@ def short_runs(monkeypatch):
 @pytest.fixture
 def rerun(monkeypatch, short_runs):
     monkeypatch.setattr(Engine, "Graphs", RerunGraphs)
-    runs = []
-    real = Engine.run
 
-    def run(self, *a, **k):
-        stats = real(self, *a, **k)
-        runs.append(stats)
-        return stats
-    monkeypatch.setattr(Engine, "run", run)
-    return runs
+
+def greedy(i, k, h, head):
+    return head(h[:, -1] if h.dim() == 3 else h).argmax(-1)
+
+
+def run(engine, prompts, steps, policy):
+    """-> greedy tokens, the run's stats (what `generate` gives without stop ids)."""
+    r = engine.run(prompts, steps, policy, greedy)
+    return r.tokens.tolist(), r.stats
 
 
 @pytest.mark.parametrize("arch", CONFIGS)
@@ -98,10 +99,10 @@ def rerun(monkeypatch, short_runs):
 def test_graphed_steps_give_the_eager_tokens(arch, name, rerun):
     prompts = rand_prompts([30, 25, 40], seed=3)
     policy = get_policy(name, budget_tokens=24)   # every policy's minimum fits; prompts overflow it
-    ref = generate(_engine(arch, graphs=False), prompts, 40, policy)
-    assert not any(rerun[-1].graphed)
-    assert generate(_engine(arch, graphs=True), prompts, 40, policy) == ref
-    stats = rerun[-1]
+    ref, eager = run(_engine(arch, graphs=False), prompts, 40, policy)
+    assert not any(eager.graphed)
+    tokens, stats = run(_engine(arch, graphs=True), prompts, 40, policy)
+    assert tokens == ref
     # every decode step of a buffer that fills at prefill goes through the graphs; the first
     # is the warm-up, then one capture per host state (ring cursor) and replays after
     assert stats.graphed == [False] + [True] * 39
@@ -151,11 +152,11 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(monkeypatch, capsys, short_
                 b.cursor = b.ring_start
             raise RuntimeError("operation not permitted when stream is capturing\nmore")
     prompts, policy = rand_prompts([30, 40], seed=2), get_policy("h2o", budget_tokens=12)
-    ref = generate(_engine("opt", graphs=False), prompts, 20, policy)
+    ref, _ = run(_engine("opt", graphs=False), prompts, 20, policy)
     monkeypatch.setattr(Engine, "Graphs", Refusing)
-    e = _engine("opt", graphs=True)
-    assert generate(e, prompts, 20, policy) == ref
-    assert e.last_run.graphed == [False, True] + [False] * 18      # the warm-up, then eager
+    tokens, stats = run(_engine("opt", graphs=True), prompts, 20, policy)
+    assert tokens == ref
+    assert stats.graphed == [False, True] + [False] * 18      # the warm-up, then eager
     err = capsys.readouterr().err
     assert err.count("CUDA graphs are off for this run") == 1 and "not permitted" in err
 
@@ -181,10 +182,10 @@ def test_graphs_only_where_a_step_can_be_replayed(case, rerun, tmp_path):
     p = Placement(**{"cuda_graphs": True, "offload_dir": str(tmp_path), **flags})
     e = Engine.load(cfg, DummyWeights(cfg, seed=0), p, "cpu", torch.float32)
     try:
-        generate(e, rand_prompts([30], seed=1), 8, policy)
+        _, stats = run(e, rand_prompts([30], seed=1), 8, policy)
     finally:
         e.close()
-    assert not any(rerun[-1].graphed)
+    assert not any(stats.graphed)
 
 
 @pytest.mark.parametrize("steps,graphed", [(5 * 6 - 1, False), (5 * 6, True)])
@@ -194,9 +195,8 @@ def test_graphs_only_for_runs_long_enough_to_pay_them_back(steps, graphed, monke
     monkeypatch.setattr(Engine, "Graphs", RerunGraphs)
     policy = H2O(budget_tokens=12)
     assert policy.graph_states(policy.layout(30, steps + 1)) == 6
-    e = _engine("opt", graphs=True)
-    generate(e, rand_prompts([30], seed=1), steps + 1, policy)
-    assert any(e.last_run.graphed) == graphed
+    _, stats = run(_engine("opt", graphs=True), rand_prompts([30], seed=1), steps + 1, policy)
+    assert any(stats.graphed) == graphed
     assert get_policy("tova", budget_tokens=12).graph_states(policy.layout(30, 9)) == 1
 
 
@@ -214,11 +214,9 @@ def test_the_cli_flag_reaches_the_placement():
 def test_real_graphs_give_the_eager_tokens_on_a_gpu(arch, name, short_runs):
     prompts = rand_prompts([30, 25, 40], seed=3)
     policy = get_policy(name, budget_tokens=24)   # every policy's minimum fits; prompts overflow it
-    eager = _engine(arch, graphs=False, device="cuda")
-    ref = generate(eager, prompts, 60, policy)
-    graphed = _engine(arch, graphs=True, device="cuda")
-    assert generate(graphed, prompts, 60, policy) == ref
-    stats = graphed.last_run
+    ref, _ = run(_engine(arch, graphs=False, device="cuda"), prompts, 60, policy)
+    tokens, stats = run(_engine(arch, graphs=True, device="cuda"), prompts, 60, policy)
+    assert tokens == ref
     assert sum(stats.graphed) == 59 and 0 < stats.graph_captures < 40
 
 
@@ -231,6 +229,7 @@ def test_real_graphs_on_the_resident_model_path(short_runs):
     policy = get_policy("h2o", budget_tokens=12)
     eager = Engine.resident(model)
     eager.placement = dataclasses.replace(eager.placement, cuda_graphs=False)
-    graphed = Engine.resident(model)
-    assert generate(graphed, prompts, 30, policy) == generate(eager, prompts, 30, policy)
-    assert sum(graphed.last_run.graphed) == 29
+    assert generate(Engine.resident(model), prompts, 30, policy) == \
+        generate(eager, prompts, 30, policy)
+    tokens, stats = run(Engine.resident(model), prompts, 30, policy)
+    assert sum(stats.graphed) == 29 and tokens == run(eager, prompts, 30, policy)[0]

@@ -33,6 +33,10 @@ PLACEMENTS = {   # name: (percent, flags)
 }
 
 
+def GREEDY(i, k, h, head):
+    return head(h[:, -1] if h.dim() == 3 else h).argmax(-1)
+
+
 def engine(arch, percent=ALL_GPU, tmp=None, **flags) -> Engine:
     cfg = CONFIGS[arch]
     p = Placement.from_percent(percent, offload_dir=str(tmp or "/tmp/flexevict-test"), **flags)
@@ -85,8 +89,7 @@ def test_smaller_budget_moves_fewer_cache_bytes(tmp_path):
     prompts, moved = rand_prompts([64] * 4, seed=1), {}
     for name, budget in (("full", None), ("h2o", 0.5), ("h2o", 0.2)):
         e = engine("opt", (100, 0, 0, 100, 100, 0), tmp_path)
-        generate(e, prompts, 16, get_policy(name, budget=budget))
-        moved[budget] = e.last_run.traffic
+        moved[budget] = e.run(prompts, 16, get_policy(name, budget=budget), GREEDY).stats.traffic
         e.close()
     loads = {b: t["cpu->gpu"] for b, t in moved.items()}
     assert loads[0.2] < loads[0.5] < loads[None]
@@ -175,15 +178,11 @@ def test_positions_wrap_only_when_asked():
     prompts = rand_prompts([500], seed=6)
     with pytest.raises(UserError, match="maximum of 512 positions"):
         generate(e, prompts, 20, get_policy("full"))
-    tokens = []                                                   # bench --ignore-max-positions
-
-    def greedy(i, k, h, head):
-        tokens.append(head(h[:, -1] if h.dim() == 3 else h).argmax(-1))
-        return tokens[-1]
-    e.run(prompts, 20, get_policy("h2o", budget=0.2), greedy, wrap_positions=True)
-    assert len(tokens) == 20
+    run = e.run(prompts, 20, get_policy("h2o", budget=0.2), GREEDY,   # bench's
+                wrap_positions=True)                                  # --ignore-max-positions
+    assert run.tokens.shape == (1, 20)
     with pytest.raises(UserError, match="maximum of 512 positions"):  # a flag of that run only
-        e.run(prompts, 20, get_policy("full"), greedy)
+        e.run(prompts, 20, get_policy("full"), GREEDY)
 
 
 @pytest.mark.slow
@@ -228,10 +227,10 @@ def test_eviction_time_counts_prefill_and_decode_apart(monkeypatch):
     real = H2O.prefill
     monkeypatch.setattr(H2O, "prefill", lambda *a, **kw: (time.sleep(0.05), real(*a, **kw))[1])
     greedy = lambda i, k, h, head: head(h[:, -1] if h.dim() == 3 else h).argmax(-1)  # noqa: E731
-    stats = e.run(prompts, 6, get_policy("h2o", budget_tokens=8), greedy)
+    stats = e.run(prompts, 6, get_policy("h2o", budget_tokens=8), greedy).stats
     layers = CONFIGS["llama-gqa"].num_layers
     assert stats.prefill_eviction_seconds >= 0.05 * layers
     assert 0 < stats.eviction_seconds < 0.05 * layers / 2
     for policy in (get_policy("full"), get_policy("h2o", budget_tokens=40)):   # keeps all
-        stats = e.run(prompts, 6, policy, greedy)
+        stats = e.run(prompts, 6, policy, greedy).stats
         assert stats.prefill_eviction_seconds == 0 and stats.eviction_seconds == 0

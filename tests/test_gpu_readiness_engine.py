@@ -501,8 +501,9 @@ def test_timing_events_do_not_grow_with_steps(monkeypatch, tmp_path):
     e = _engine("llama-gqa", (100, 0, 100, 0, 100, 0), tmp_path, "cuda",
                 cuda_graphs=False)                   # graphed steps run the hooks untimed
     try:
-        generate(e, rand_prompts([20, 17], seed=1), 16, get_policy("h2o", budget=0.5))
-        assert e.last_run.eviction_seconds > 0
+        greedy = lambda i, k, h, head: head(h[:, -1] if h.dim() == 3 else h).argmax(-1)  # noqa: E731
+        run = e.run(rand_prompts([20, 17], seed=1), 16, get_policy("h2o", budget=0.5), greedy)
+        assert run.stats.eviction_seconds > 0
     finally:
         e.close()
     assert len(seen) == 16 and seen == [0] * 16

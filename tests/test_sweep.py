@@ -161,9 +161,9 @@ def test_stream_nll_batch_equals_each_document_alone(engine_smollm2):
     from flexevict.evaluation.tasks import first_tokens, wikipedia_text
     docs = [first_tokens(engine_smollm2.tokenizer, wikipedia_text(20 + i), 64) for i in range(2)]
     spec = PolicySpec("h2o", budget=0.25)
-    together = stream_nll(engine_smollm2.engine, docs, spec.make())
+    together, _ = stream_nll(engine_smollm2.engine, docs, spec.make())
     for doc, row in zip(docs, together):
-        alone = stream_nll(engine_smollm2.engine, [doc], spec.make())[0]
+        alone = stream_nll(engine_smollm2.engine, [doc], spec.make())[0][0]
         torch.testing.assert_close(row, alone, rtol=1e-5, atol=1e-5)
     assert float(together[0].double().mean()) == pytest.approx(
         engine_smollm2.score_ids(docs[0], spec)["nll"], rel=1e-5)

@@ -27,7 +27,7 @@ from flexevict.core import kernels
 from flexevict.api import DTYPES, resolve_device, resolve_model
 from flexevict.cli import (add_placement_args, add_policy_args, add_threads_arg, cpu_threads,
                    has_auto, placement_from_args, policy_spec)
-from flexevict.runtime.engine import Engine, check_length
+from flexevict.runtime.engine import Engine, RunResult, check_length
 from flexevict.errors import UserError, cli_errors
 from flexevict.runtime.memory import DoesNotFit, MemoryPlan, GIB, out_of_memory
 from flexevict.policies import Policy, PolicySpec
@@ -128,11 +128,11 @@ def run(args) -> dict:
                 engine.run(_random_prompts(config, n, length, args.seed + 1),
                            min(WARMUP_TOKENS, args.gen_len), warm, _greedy)
             _reset_peaks(device)
-            stats = _timed_run(engine, prompts, steps, args.gen_len, policy,
+            timed = _timed_run(engine, prompts, steps, args.gen_len, policy,
                                args.ignore_max_positions)
         finally:
             engine.close()
-    result = _result(args, config, placement, plan, policy, stats, device, n, steps)
+    result = _result(args, config, placement, plan, policy, timed, device, n, steps)
     result["kernel_build_s"] = build_s
     result["predicted"] = predicted
     return result
@@ -243,12 +243,19 @@ def _timed_run(engine, prompts, steps, gen_len, policy, wrap_positions: bool):
         host.sample()
         return False
     try:
-        stats = engine.run(prompts, steps, policy, _greedy, until=tick, plan_steps=gen_len,
-                           wrap_positions=wrap_positions)
+        run = engine.run(prompts, steps, policy, _greedy, until=tick, plan_steps=gen_len,
+                         wrap_positions=wrap_positions)
     finally:
         bar.close()
-    stats.nvml_peak, stats.host_peak = nvml.peak, host
-    return stats
+    return Timed(run, nvml.peak, host)
+
+
+@dataclasses.dataclass
+class Timed:
+    """The timed run and the memory peaks sampled during it."""
+    run: RunResult
+    nvml_peak: int | None           # GPU bytes by NVML (None without a GPU)
+    host_peak: object               # HostMemoryPeak
 
 
 def _greedy(i, k, h, head):
@@ -284,7 +291,8 @@ def project_decode(step_seconds: list[float], gen_len: int) -> tuple[float, bool
     return float(sum(decode)) + extra, True
 
 
-def _result(args, config, placement, plan, policy, stats, device, n, steps) -> dict:
+def _result(args, config, placement, plan, policy, timed, device, n, steps) -> dict:
+    stats, layout = timed.run.stats, timed.run.layout
     prefill = stats.step_seconds[0]
     decode, projected = project_decode(stats.step_seconds, args.gen_len)
     total = prefill + decode
@@ -293,7 +301,7 @@ def _result(args, config, placement, plan, policy, stats, device, n, steps) -> d
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": n,
         "decode_steps_run": steps - 1, "projected": projected,
         "placement": placement.describe(),
-        "policy": policy.describe(stats.layout), "budget": args.budget,
+        "policy": policy.describe(layout), "budget": args.budget,
         "budget_tokens": args.budget_tokens,
         "model_size_gb": config.weight_bytes(_dtype_name(plan.dtype)) / GIB,
         "cache_size_gb": config.cache_bytes(n, args.prompt_len + args.gen_len,
@@ -303,10 +311,10 @@ def _result(args, config, placement, plan, policy, stats, device, n, steps) -> d
         "estimated_gb": {k: v / GIB for k, v in plan.needs().items()},
         "peak_gpu_mem_gb": (torch.cuda.max_memory_allocated(device) / GIB
                             if device.type == "cuda" else None),
-        "peak_gpu_mem_nvml_gb": None if stats.nvml_peak is None else stats.nvml_peak / GIB,
+        "peak_gpu_mem_nvml_gb": None if timed.nvml_peak is None else timed.nvml_peak / GIB,
         "peak_cpu_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
-        "peak_cpu_anon_gb": _gib(stats.host_peak.anon),
-        "peak_cpu_file_mapped_gb": _gib(stats.host_peak.file),
+        "peak_cpu_anon_gb": _gib(timed.host_peak.anon),
+        "peak_cpu_file_mapped_gb": _gib(timed.host_peak.file),
         "prefill_latency_s": prefill, "prefill_throughput": n * args.prompt_len / prefill,
         "decode_latency_s": decode,
         "decode_throughput": n * (args.gen_len - 1) / decode if decode > 0 else None,
@@ -315,7 +323,7 @@ def _result(args, config, placement, plan, policy, stats, device, n, steps) -> d
         "eviction_s": stats.eviction_seconds,
         "eviction_share_of_decode": _eviction_share(stats),
         "graphed_decode_steps": sum(stats.graphed[1:]), "graph_captures": stats.graph_captures,
-        "evicts": stats.layout.evicts,
+        "evicts": layout.evicts,
         "bytes_moved": stats.traffic,
         "positions_wrapped": args.ignore_max_positions,
         "placement_auto": has_auto(args),

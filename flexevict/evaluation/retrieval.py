@@ -278,7 +278,7 @@ class Retrieval(Task):
             idx = [i for i, t in enumerate(self.targets) if t == length]
             out = llm.generate([self.prompts[i] for i in idx], self.new_tokens, policy=spec,
                                batch_size=len(idx), stop_ids=())
-            slots[length] = llm.resolved[-1]["slots"]
+            slots[length] = out[-1]["resolved"]["slots"]
             for i, o in zip(idx, out):
                 completions[i] = o["completion"]
         per = [{"kind": s.kind, "length": t, "depth": s.depth, "score": score(c, s),

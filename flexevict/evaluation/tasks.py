@@ -219,8 +219,7 @@ class Ppl(Task):
                          "data": digest(list(self.docs.values()))}
 
     def run(self, llm, spec: PolicySpec) -> dict:
-        nll = stream_nll(llm.engine, list(self.docs.values()), spec.make())
-        return self.summary(nll, llm.engine.last_run.layout)
+        return self.summary(*stream_nll(llm.engine, list(self.docs.values()), spec.make()))
 
     def summary(self, nll: torch.Tensor, layout) -> dict:
         """nll (B, N-1) -> perplexity over all documents' tokens, per document, and per
@@ -244,8 +243,7 @@ class AttentionLoss(Ppl):
 
     def run(self, llm, spec: PolicySpec) -> dict:
         with AttentionError(llm.engine.model, self.settings["tokens"]) as rec:
-            nll = stream_nll(llm.engine, list(self.docs.values()), spec.make())
-        layout = llm.engine.last_run.layout
+            nll, layout = stream_nll(llm.engine, list(self.docs.values()), spec.make())
         if layout.evicts and not rec.errors:
             raise RuntimeError("the attention hook saw no decode step: the engine no longer "
                                "calls Transformer.attention; update tasks.AttentionError")
@@ -307,7 +305,7 @@ class Agreement(Task):
             self._ref = self.generate(llm, PolicySpec("full"))
         out = self.generate(llm, spec)
         scores = compare(out, self._ref)
-        return {**scores, "slots": llm.resolved[-1]["slots"],
+        return {**scores, "slots": out[-1]["resolved"]["slots"],
                 "completions": [o["completion"] for o in out],
                 "items": {m: [round(p[m], 6) for p in scores["per_prompt"]]
                           for m in ("rouge_l", "token_agreement")}}
@@ -386,6 +384,6 @@ class Passkey(Task):
                for o, key, d in zip(out, self.keys, self.depths)]
         return {"accuracy": sum(p["exact"] for p in per) / len(per),
                 "digit_accuracy": sum(p["digits"] for p in per) / len(per),
-                "slots": llm.resolved[-1]["slots"], "per_trial": per,
+                "slots": out[-1]["resolved"]["slots"], "per_trial": per,
                 "items": {"accuracy": [float(p["exact"]) for p in per],
                           "digit_accuracy": [p["digits"] for p in per]}}

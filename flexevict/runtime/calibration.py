@@ -661,7 +661,7 @@ def _tiny_steps(arch, layers, device, dtype, quick, **placement) -> tuple[float,
     try:
         prefill, decode = math.inf, math.inf
         for _ in range(2 if quick else 3):
-            st = engine.run(prompts, steps, get_policy("full"), greedy).step_seconds
+            st = engine.run(prompts, steps, get_policy("full"), greedy).stats.step_seconds
             tail = sorted(st[2:])
             prefill, decode = min(prefill, st[0]), min(decode, tail[len(tail) // 2])
     finally:
@@ -770,7 +770,7 @@ def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
         try:
             steps = 8 if quick else e["gen"]
             engine.run(prompts, 8, get_policy("full"), greedy)
-            st = engine.run(prompts, steps, get_policy("full"), greedy).step_seconds
+            st = engine.run(prompts, steps, get_policy("full"), greedy).stats.step_seconds
         finally:
             engine.close()
         out[label] = [st[0], _median(st[max(2, steps // 4):])]

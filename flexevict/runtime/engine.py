@@ -19,6 +19,7 @@ import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import torch
 
@@ -70,15 +71,41 @@ class Run:
     graphs: DecodeGraphs | None = None                # its decode-step graphs, if it may use them
 
 
+class Consumer(Protocol):
+    """What a run hands each step's final hidden states to, for every GPU batch, and gets the
+    next input tokens back (sampling, teacher forcing, scoring: generation.py, the bench).
+
+    step: 0 for the prefill; batch: the GPU batch k; hidden (b, S, D) at the prefill, (b, D)
+    after; head(x): the model's head with this step's weights, (..., D) -> fp32 logits
+    (..., V). -> (b,) int64 tokens, fed to the next step (and returned in `RunResult.tokens`).
+    """
+
+    def __call__(self, step: int, batch: int, hidden: torch.Tensor,
+                 head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
+
+
 @dataclass
 class RunStats:
-    layout: Layout | None = None                          # the run's resolved budget
     step_seconds: list = field(default_factory=list)     # per token step, prefill first
     prefill_eviction_seconds: float = 0.0     # policy hooks in the prefill (prompt selection)
     eviction_seconds: float = 0.0             # policy hooks in the eager decode steps
     graphed: list = field(default_factory=list)   # per token step: run through a CUDA graph
     graph_captures: int = 0                       # (its eviction work is not timed apart)
     traffic: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    """What `Engine.run` returns."""
+    tokens: torch.Tensor            # (B, steps run) int64: the consumer's tokens, step by step
+    layout: Layout                  # the run's resolved budget (`resolved_layout`)
+    stats: RunStats
+
+
+def resolved_layout(policy: Policy, prompts: list[list[int]], steps: int) -> Layout:
+    """The budget a run resolves: one for the batch, sized for its longest prompt (left
+    padding makes every row that long) and `steps` tokens."""
+    return policy.layout(max(len(p) for p in prompts), steps)
 
 
 def stages_for(num_layers: int, sep_layer: bool) -> list[Stage]:
@@ -128,7 +155,6 @@ class Engine:
                                           threaded=True)}
         self.traffic = Traffic()
         self.pack = onednn_usable(compute, model.dtype)
-        self.last_run: RunStats | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -202,14 +228,12 @@ class Engine:
 
     # ------------------------------------------------------------------ one run
     @torch.inference_mode()
-    def run(self, prompts: list[list[int]], steps: int, policy, consume, pad_id: int = 0,
-            until=None, plan_steps: int | None = None, wrap_positions: bool = False) -> RunStats:
+    def run(self, prompts: list[list[int]], steps: int, policy, consume: Consumer,
+            pad_id: int = 0, until=None, plan_steps: int | None = None,
+            wrap_positions: bool = False) -> RunResult:
         """Prefill the prompts and decode steps - 1 more tokens (the budget is resolved for
-        plan_steps, default steps: a benchmark that cuts the run short keeps the real budget).
-
-        consume(i, k, h, head) is called at every step i for every GPU batch k with the final
-        hidden states h ((b, S, D) at prefill, (b, D) after) and head(x) -> fp32 logits; it
-        returns that batch's next input tokens (b,). until() -> True stops after a step.
+        plan_steps, default steps: a benchmark that cuts the run short keeps the real budget;
+        `resolved_layout`). consume: see `Consumer`. until() -> True stops after a step.
         wrap_positions (bench --ignore-max-positions, timing only): positions past the model's
         maximum wrap around instead of being refused; the output is then meaningless.
         """
@@ -217,7 +241,7 @@ class Engine:
         if not wrap_positions:
             check_length(self.config, max(len(x) for x in prompts), plan_steps or steps)
         sizes = self.placement.batch_split(len(prompts))
-        layout = policy.layout(tokens.shape[1], plan_steps or steps)
+        layout = resolved_layout(policy, prompts, plan_steps or steps)
         limit = self.config.max_positions if wrap_positions else None
         with self.tiers.run_scope():          # the next run reuses this run's pinned KV homes
             cache_tiers = self.placement.cache_tiers(len(sizes))
@@ -225,20 +249,21 @@ class Engine:
                       cache_tiers, policy, EvictionClock(self.tiers.compute, layout.evicts))
             if self._graphable(run, layout, steps):
                 run.graphs = self.Graphs(self.tiers.compute)
-            stats = self._run(run, tokens, valid, pos, sizes, steps, consume, until, limit)
-        stats.layout = layout
-        self.last_run = stats
-        return stats
+            stats, emitted = self._run(run, (tokens, valid, pos), sizes, steps, consume, until,
+                                       limit)
+        return RunResult(torch.stack(emitted, dim=1), layout, stats)
 
-    def _run(self, run: Run, tokens, valid, pos, sizes, steps, consume, until, limit):
-        """run's body: tokens, valid, pos (B, S) from left_pad; sizes: the GPU batches; limit:
-        positions wrap modulo it (None: they never need to)."""
+    def _run(self, run: Run, padded, sizes, steps, consume, until, limit):
+        """run's body: padded = tokens, valid, pos (B, S) from left_pad; sizes: the GPU
+        batches; limit: positions wrap modulo it (None: they never need to). -> the stats and
+        each step's consumed tokens (B,)."""
+        tokens, valid, pos = padded
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
         batches = [slice(a, a + b) for a, b in zip(starts, sizes)]
         inputs = [self._step_input(pos[b], valid[b], limit) for b in batches]
         feed = [tokens[b] for b in batches]
         next_pos = valid.sum(dim=1)
-        stats = RunStats()
+        stats, emitted = RunStats(), []
         self.traffic.bytes.clear()
         try:
             for i in range(steps):
@@ -249,6 +274,7 @@ class Engine:
                 graphed = i > 0 and run.graphs is not None and _all_full(run.cache)
                 step = self._graph_step if graphed else self._step
                 feed = step(run, i, feed, inputs, consume)
+                emitted.append(torch.cat(feed))
                 _sync(self.tiers.compute)
                 stats.step_seconds.append(time.perf_counter() - t0)
                 stats.graphed.append(graphed and run.graphs is not None)
@@ -263,7 +289,7 @@ class Engine:
         stats.eviction_seconds = run.clock.seconds() - stats.prefill_eviction_seconds
         stats.graph_captures = run.graphs.captures if run.graphs is not None else 0
         stats.traffic = self.traffic.as_dict()
-        return stats
+        return stats, emitted
 
     def _step_input(self, pos, valid, limit: int | None):
         return self.model.step_input(pos if limit is None else pos % limit, valid)
@@ -290,7 +316,7 @@ class Engine:
         """Attention (and eviction) for a cache in `tier` runs in this tier's memory."""
         return "cpu" if self.placement.cpu_cache_compute and tier in ("cpu", "disk") else "gpu"
 
-    def _step(self, run: Run, i, feed, inputs, consume):
+    def _step(self, run: Run, i, feed, inputs, consume: Consumer):
         """One token step over the (layer, GPU batch) grid -> next feed per batch."""
         overlap, nb = self.placement.overlap, len(feed)
         order = [(s, k) for s in range(len(self.stages)) for k in range(nb)]

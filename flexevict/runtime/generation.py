@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flexevict.core.kv import Layout
 from flexevict.runtime.engine import Engine, check_length, left_pad  # noqa: F401 - left_pad: callers' helper
 from flexevict.errors import UserError
 from flexevict.runtime.progress import Progress
@@ -105,18 +106,16 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, policy,
     sizes = engine.placement.batch_split(len(prompts))          # the engine's GPU batches
     rows = [slice(sum(sizes[:k]), sum(sizes[:k + 1])) for k in range(len(sizes))]
     stop = torch.tensor(sorted(stop_ids) or [-1], device=engine.tiers.compute)
-    out, done = {}, {}
+    done = {}
 
     def consume(i, k, h, head):
         nxt = sample(head(h[:, -1] if h.dim() == 3 else h), rows[k])
-        out.setdefault(k, []).append(nxt)
         done[k] = done.get(k, False) | torch.isin(nxt, stop)
         return nxt
 
-    engine.run(prompts, max_new_tokens, policy, consume, pad_id,
-               until=lambda: all(bool(d.all()) for d in done.values()))
-    result = torch.cat([torch.stack(out[k], dim=1) for k in sorted(out)]).tolist()
-    return [_cut_at_stop(row, stop_ids) for row in result]
+    result = engine.run(prompts, max_new_tokens, policy, consume, pad_id,
+                        until=lambda: all(bool(d.all()) for d in done.values()))
+    return [_cut_at_stop(row, stop_ids) for row in result.tokens.tolist()]
 
 
 def _cut_at_stop(row: list[int], stop_ids) -> list[int]:
@@ -130,12 +129,13 @@ def token_nll(model, ids: list[int], policy, prefill_tokens: int | None = None,
               chunk: int = 256, progress: bool = False) -> torch.Tensor:
     """Teacher-forced NLL of ids[1:] given their prefixes -> (N-1,) fp32 (one document of
     `stream_nll`)."""
-    return stream_nll(model, [ids], policy, prefill_tokens, chunk, progress)[0]
+    return stream_nll(model, [ids], policy, prefill_tokens, chunk, progress)[0][0]
 
 
 def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None = None,
-               chunk: int = 256, progress: bool = False) -> torch.Tensor:
-    """Teacher-forced NLL of B equal-length documents in one batch -> (B, N-1) fp32 nats.
+               chunk: int = 256, progress: bool = False) -> tuple[torch.Tensor, Layout]:
+    """Teacher-forced NLL of B equal-length documents in one batch -> ((B, N-1) fp32 nats,
+    the run's resolved layout).
 
     A prefill of `prefill_tokens` tokens (default: the policy's slot count with eviction, else
     all), then one token per step through the decode path, evicting exactly as generation
@@ -167,9 +167,9 @@ def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None 
         return t[:, p0 + i]
 
     with Progress(n - p0, "scoring", "step", "tokens", enabled=progress) as bar:
-        engine.run([d[:p0] for d in docs], n - p0, policy, consume,
-                   until=lambda: bar.update(1, len(docs) * (p0 if bar.done == 0 else 1)))
-    return torch.cat([torch.cat(nll[k], dim=1) for k in sorted(nll)])
+        result = engine.run([d[:p0] for d in docs], n - p0, policy, consume,
+                            until=lambda: bar.update(1, len(docs) * (p0 if bar.done == 0 else 1)))
+    return torch.cat([torch.cat(nll[k], dim=1) for k in sorted(nll)]), result.layout
 
 
 def _nll(head, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
