@@ -93,9 +93,9 @@ def budget_rows() -> list[dict]:
     weight and the cache in memory, and the best plan the search finds, for full and a 20%
     budget. OPT-6.7B 2048 + 2048 on an 80 GB GPU is H2O's setting (synthetic H100)."""
     import torch
-    from flexevict.runtime import calibration, search as P
+    from flexevict.planner import calibration, search as P
     from flexevict.api import resolve_model
-    from flexevict.runtime.costmodel import CostModel
+    from flexevict.planner.costmodel import CostModel
     from flexevict.runtime.memory import GIB
     from flexevict.runtime.placement import Placement
     from flexevict.policies import PolicySpec
@@ -115,7 +115,7 @@ def budget_rows() -> list[dict]:
             fits = [g for g in P.GPU_BATCH_SIZES
                     if m.memory_plan(Placement(gpu_batch_size=g), g).overflow(
                         device, limits.gpu, limits.cpu) is None]
-            best = P.search(m, P.Request(percent=None, gpu_batch_size=None,
+            best = P.search(m, P.PlacementRequest(percent=None, gpu_batch_size=None,
                                          num_gpu_batches=None), limits, top=1).best
             rows.append({"model": model, "prompt_len": prompt, "gen_len": gen, "limit": what,
                          "policy": pol[0] if pol[1] is None else f"{pol[0]} {pol[1]}",

@@ -3,7 +3,7 @@
     python -m flexevict.calibrate [--device cuda] [--offload-dir DIR] [--recalibrate] [--quick]
     python -m flexevict.calibrate --synthetic h100 --out h100.json   # datasheet numbers, no run
 
-What is measured, and where the result is kept: flexevict.runtime.calibration.
+What is measured, and where the result is kept: flexevict.planner.calibration.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import json
 import torch
 
 from flexevict.errors import UserError, cli_errors
-from flexevict.runtime import calibration as C
+from flexevict.planner import calibration as C
 from flexevict.runtime.placement import DEFAULT_OFFLOAD_DIR
 
-_SEE_LIBRARY = "What is measured, and where the result is kept: flexevict.runtime.calibration.\n"
+_SEE_LIBRARY = "What is measured, and where the result is kept: flexevict.planner.calibration.\n"
 
 
 def summary(cal: C.Calibration, device: torch.device, dtype: torch.dtype) -> str:
@@ -39,7 +39,7 @@ def summary(cal: C.Calibration, device: torch.device, dtype: torch.dtype) -> str
 
 
 def main(argv=None):
-    # --help: this docstring, then what is measured (flexevict.runtime.calibration's docstring
+    # --help: this docstring, then what is measured (flexevict.planner.calibration's docstring
     # after its first paragraph)
     description = __doc__.replace(_SEE_LIBRARY, C.__doc__.split("\n\n", 1)[1])
     p = argparse.ArgumentParser(prog="python -m flexevict.calibrate", description=description,

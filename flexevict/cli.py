@@ -69,7 +69,7 @@ def str2bool(v: str) -> bool:
 
 def add_placement_args(p: argparse.ArgumentParser, gpu_batch_size: int = 0):
     """FlexGen's placement flags (same names and defaults; `bench` fixes a GPU batch size),
-    each of which may be `auto` (chosen by the cost model's search, runtime/search.py), and the
+    each of which may be `auto` (chosen by the cost model's search, planner/search.py), and the
     memory limits and calibration that search plans with."""
     g = p.add_argument_group("placement (FlexGen semantics; 'GPU' is the compute device; "
                              "`auto` asks the cost model, see python -m flexevict.plan)")
@@ -126,6 +126,7 @@ def _bool_or_auto(v: str):
     return v if v == "auto" else str2bool(v)
 
 
+AUTO = "auto"
 PLACEMENT_FLAGS = ("percent", "gpu_batch_size", "num_gpu_batches", "compress_weight",
                    "compress_cache", "cpu_cache_compute")
 
@@ -141,7 +142,7 @@ def placement_from_args(args, config=None, lengths: tuple | None = None, device=
     """The placement the flags describe; an unwritable --offload-dir is reported now, before
     any weight is read.
 
-    Flags that say `auto` are chosen by the cost model's search (runtime.search.resolve_auto)
+    Flags that say `auto` are chosen by the cost model's search (planner.search.resolve)
     for runs of lengths = (prompt_len, gen_len) tokens. A caller that does not know its lengths
     yet (generate and eval build the model before reading their input) gets a plan for the
     longest run the model allows: the model's maximum positions, with --max-new-tokens of them
@@ -182,7 +183,7 @@ def _check_percent(percent):
 def _resolve(args, config, lengths, device, dtype, max_batch):
     """placement_from_args' auto path: fill in what the caller did not pass."""
     from flexevict.api import DTYPES, resolve_device, resolve_model
-    from flexevict.runtime.search import resolve_auto
+    from flexevict.planner.search import Workload
     if config is None:
         config, _ = resolve_model(args.model, args.path)
     if device is None:
@@ -193,9 +194,56 @@ def _resolve(args, config, lengths, device, dtype, max_batch):
     if lengths is None:
         gen = max(getattr(args, "max_new_tokens", None) or 1, 1)
         lengths = (max(config.max_positions - gen + 1, 1), gen)
-    placement, _ = resolve_auto(args, config, lengths[0], lengths[1], device, dtype,
-                                policy_spec(args), max_batch)
+    work = Workload(config, lengths[0], lengths[1], policy_spec(args), device, dtype)
+    placement, _ = resolve_auto(args, work, max_batch)
     return placement
+
+
+# ---------------------------------------------------------------------------- planner flags
+# The planner takes typed inputs (flexevict/planner): these translate the placement flags.
+
+def resolve_auto(args, work, max_batch: int | None = None, log=print):
+    """The flags' placement with every `auto` chosen by the search for `work` (a
+    planner.search.Workload), at most max_batch sequences a block -> (placement, plan)."""
+    from flexevict.planner.search import resolve
+    model = cost_model_from_args(args, work, log)
+    return resolve(model, request_from_args(args, max_batch),
+                   limits_from_args(args, work.device, model.cal), log)
+
+
+def request_from_args(args, max_batch: int | None = None):
+    """A PlacementRequest from the shared placement flags (`add_placement_args`); `auto` ->
+    None (the search chooses)."""
+    from flexevict.planner.search import PlacementRequest
+    auto = list(args.percent) == [AUTO]
+    get = lambda name: None if getattr(args, name) == AUTO else getattr(args, name)  # noqa: E731
+    gbs = get("gpu_batch_size")
+    return PlacementRequest(
+        percent=None if auto else tuple(int(x) for x in args.percent),
+        gpu_batch_size=gbs or None if gbs is not None else None,
+        num_gpu_batches=get("num_gpu_batches"), compress_weight=get("compress_weight"),
+        compress_cache=get("compress_cache"), cpu_cache_compute=get("cpu_cache_compute"),
+        overlap=args.overlap, sep_layer=args.sep_layer, pin_weight=args.pin_weight,
+        offload_dir=args.offload_dir, max_batch=max_batch)
+
+
+def limits_from_args(args, device, calibration=None):
+    """Limits from --gpu-mem-limit and --cpu-mem-limit (GiB; default: the machine's, or the
+    calibrated machine's when planning for another) and the disk under --offload-dir."""
+    from flexevict.planner.search import limits_for
+    gib = lambda gb: None if gb is None else int(gb * 2**30)  # noqa: E731
+    return limits_for(device, args.offload_dir, gib(getattr(args, "gpu_mem_limit", None)),
+                      gib(getattr(args, "cpu_mem_limit", None)), calibration)
+
+
+def cost_model_from_args(args, work, log=print, cal=None):
+    """The CostModel of `work` with calibration `cal`, else --calibration's, else this machine's
+    cache (measured now when there is none), for --threads."""
+    from flexevict.planner.search import cost_model_for, with_calibration
+    if cal is not None:
+        return with_calibration(work, cal)
+    return cost_model_for(work, getattr(args, "calibration", None),
+                          getattr(args, "threads", None), args.offload_dir, log)
 
 
 def add_policy_args(p: argparse.ArgumentParser):

@@ -19,12 +19,12 @@ import argparse
 import torch
 
 from flexevict.errors import UserError, cli_errors
-from flexevict.runtime import search as S
+from flexevict.planner import search as S
 
 
 def parse_args(argv=None):
     from flexevict.bench.throughput import add_run_args
-    # --help: this docstring, then what the search does (flexevict.runtime.search's docstring
+    # --help: this docstring, then what the search does (flexevict.planner.search's docstring
     # after its first paragraph)
     description = __doc__ + "\n" + S.__doc__.split("\n\n", 1)[1]
     p = argparse.ArgumentParser(prog="python -m flexevict.plan", description=description,
@@ -42,17 +42,19 @@ def main(argv=None):
 
 def run(args) -> list[str]:
     from flexevict.api import DTYPES, resolve_model
-    from flexevict.cli import cpu_threads, policy_spec
+    from flexevict.cli import (cost_model_from_args, cpu_threads, limits_from_args, policy_spec,
+                               request_from_args)
     if args.prompt_len < 1 or args.gen_len < 1:
         raise UserError("--prompt-len and --gen-len must be >= 1")
     config, _ = resolve_model(args.model, args.path)
     device = _plan_device(args.device)
     dtype = DTYPES[args.dtype or ("float32" if device.type == "cpu" else "float16")]
     with cpu_threads(args.threads):
-        model = S.cost_model(args, config, args.prompt_len, args.gen_len, device, dtype,
-                             policy_spec(args))
-        request = S.request_from_args(args)
-        limits = S.limits_from_args(args, device, model.cal)
+        work = S.Workload(config, args.prompt_len, args.gen_len, policy_spec(args), device,
+                          dtype)
+        model = cost_model_from_args(args, work)
+        request = request_from_args(args)
+        limits = limits_from_args(args, device, model.cal)
         try:
             plan = S.search(model, request, limits, top=max(args.top, 1))
         except S.Infeasible as e:

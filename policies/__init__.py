@@ -4,6 +4,8 @@ A policy owns three decisions on a layer's `KVBuffer` and nothing else (no I/O, 
 choice): how a run's budget divides the buffer (`layout`, a frozen `kv.Layout`), which prompt tokens it keeps after
 prefill (`prefill`), and where each decoded token goes (`before_attention` for pre-attention
 policies, `after_attention` for policies that read the attention probabilities just used).
+
+May import `flexevict.core` and `flexevict.errors`.
 """
 from flexevict.policies.base import Policy
 from flexevict.policies.registry import POLICIES, PolicySpec, get_policy, register

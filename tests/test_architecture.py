@@ -8,6 +8,7 @@ a submodule runs first (`import flexevict.core.kernels.quant` executes
 """
 import ast
 import os
+import re
 
 import pytest
 
@@ -111,3 +112,58 @@ def test_function_local_and_parent_imports_count(tmp_path, source, expected):
              "flexevict.core": "", "flexevict.core.kernels": "", "flexevict.core.kernels.quant": "",
              "flexevict.runtime.m": str(path)}
     assert imported("flexevict.runtime.m", str(path), known) == expected
+
+
+# What each library package may import (its __init__ docstring says the same): the layers
+# below the command-line modules, the API, the bench, jobs and evaluation.
+LAYERS = {
+    "flexevict.core": {"flexevict.errors", "flexevict._C"},
+    "flexevict.policies": {"flexevict.core", "flexevict.errors"},
+    "flexevict.io": {"flexevict.core", "flexevict.errors"},
+    "flexevict.runtime": {"flexevict.core", "flexevict.errors", "flexevict.io",
+                          "flexevict.policies"},
+    "flexevict.planner": {"flexevict.core", "flexevict.errors", "flexevict.io",
+                          "flexevict.policies", "flexevict.runtime"},
+}
+
+
+def package_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_each_library_package_imports_only_the_layers_below_it():
+    known = modules()
+    crossing = []
+    for module, path in known.items():
+        allowed = LAYERS.get(package_of(module))
+        if allowed is None or not path.endswith(".py"):
+            continue
+        for dep in imported(module, path, known):
+            if package_of(dep) not in allowed | {package_of(module), "flexevict"}:
+                crossing.append(f"{module} imports {dep}")
+    assert not crossing, crossing
+
+
+def test_the_planner_reads_no_command_line():
+    """The planner's input is typed (PlacementRequest, Limits, Workload); flags are the CLI's."""
+    for path in modules().values():
+        if os.sep + "planner" + os.sep in path:
+            tree = ast.parse(open(path).read())
+            names = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                     for a in n.names} | {n.module for n in ast.walk(tree)
+                                          if isinstance(n, ast.ImportFrom)}
+            assert "argparse" not in names and "flexevict.cli" not in names, path
+            assert "args." not in open(path).read(), path
+
+
+def test_setup_installs_every_package():
+    """A package missing from setup.py's list works from the source tree and breaks an
+    install (a non-editable pip install, a wheel)."""
+    text = open(os.path.join(ROOT, "setup.py")).read()
+    listed = set(re.findall(r'"(flexevict(?:\.[a-z_]+)*)"', text.split("packages=")[1]
+                            .split("]")[0]))
+    found = {"flexevict" + ("." + os.path.relpath(d, os.path.join(ROOT, "flexevict"))
+                            .replace(os.sep, ".") if d != os.path.join(ROOT, "flexevict") else "")
+             for d, _, files in os.walk(os.path.join(ROOT, "flexevict"))
+             if "__init__.py" in files and "__pycache__" not in d}
+    assert found <= listed, sorted(found - listed)

@@ -191,12 +191,12 @@ def test_library_modules_import_no_command_line_module():
 @pytest.mark.slow
 def test_plan_and_calibrate_help_describe_the_library():
     """--help keeps describing the search and the measurements, which moved to
-    flexevict.runtime.search and flexevict.runtime.calibration."""
+    flexevict.planner.search and flexevict.planner.calibration."""
     plan = run("plan", "--help")
     assert plan.returncode == 0 and "The search is exact over a discrete space" in plan.stdout
     cal = run("calibrate", "--help")
     assert cal.returncode == 0 and "What is measured (each the best of a few" in cal.stdout
-    assert "flexevict.runtime.calibration." not in cal.stdout
+    assert "flexevict.planner.calibration." not in cal.stdout
 
 
 def test_plan_checks_the_policy_flags():

@@ -214,7 +214,7 @@ def test_bench_predicts_from_a_cached_calibration_without_measuring(tmp_path):
     prediction is printed and the cached file is left as it was."""
     import os
     import torch
-    from flexevict.runtime.calibration import cache_path, machine_key
+    from flexevict.planner.calibration import cache_path, machine_key
     key = machine_key(torch.device("cpu"), 1)
     data = json.loads(open(os.path.join(os.path.dirname(__file__), "calibration_cpu.json")).read())
     data["machine"] = key

@@ -16,10 +16,10 @@ import torch
 from test_cli import assert_user_error, run
 
 from flexevict import plan as plan_cli
-from flexevict.runtime import calibration, search as P
+from flexevict.planner import calibration, search as P
 from flexevict.api import resolve_model
 from flexevict.cli import add_placement_args, add_policy_args, placement_from_args
-from flexevict.runtime.costmodel import CostModel
+from flexevict.planner.costmodel import CostModel
 from flexevict.errors import UserError
 from flexevict.runtime.memory import GIB, MemoryPlan
 from flexevict.runtime.placement import Placement
@@ -42,7 +42,7 @@ def limits(gpu_gb=None, cpu_gb=1024, disk_gb=4096):
                     disk=int(disk_gb * GIB))
 
 
-AUTO = P.Request(percent=None, gpu_batch_size=None, num_gpu_batches=None)
+AUTO = P.PlacementRequest(percent=None, gpu_batch_size=None, num_gpu_batches=None)
 
 
 # ------------------------------------------------------------------------------ H2O's finding
@@ -66,7 +66,7 @@ def test_h2o_batch_64_fits_at_20_percent_and_not_with_full(capsys):
 
 def test_a_budget_fits_a_larger_batch_and_predicts_more_than_full():
     limit = limits(gpu_gb=80)
-    req = P.Request(percent=(100, 0, 100, 0, 100, 0), gpu_batch_size=None, num_gpu_batches=1)
+    req = P.PlacementRequest(percent=(100, 0, 100, 0, 100, 0), gpu_batch_size=None, num_gpu_batches=1)
     full = P.search(model_for("opt-6.7b", 2048, 2048), req, limit).best
     h2o = P.search(model_for("opt-6.7b", 2048, 2048, "h2o", 0.2), req, limit).best
     assert h2o.n >= 64 > full.n
@@ -194,7 +194,7 @@ def test_plan_prints_the_choice_its_bound_and_alternatives(capsys):
 
 
 def test_wall_time_speaks_in_the_unit_a_person_plans_with():
-    from flexevict.runtime.search import wall_time
+    from flexevict.planner.search import wall_time
     assert [wall_time(s) for s in (40, 90, 700, 3600, 61200, 200000)] == [
         "about 40 s", "about 2 min", "about 12 min", "about 1 h", "about 17 h", "about 2 days"]
 
@@ -242,13 +242,14 @@ def test_explicit_flags_keep_working_and_auto_parses(tmp_path):
 def test_without_lengths_auto_plans_for_the_models_longest_run(monkeypatch, capsys):
     """generate/eval resolve auto before reading their input: the plan is for the model's
     maximum positions, --max-new-tokens of them generated."""
+    import flexevict.cli as cli
     seen = {}
-    real = P.resolve_auto
+    real = cli.resolve_auto
 
-    def spy(args, config, prompt_len, gen_len, *rest, **kw):
-        seen["lengths"] = (prompt_len, gen_len)
-        return real(args, config, prompt_len, gen_len, *rest, **kw)
-    monkeypatch.setattr(P, "resolve_auto", spy)
+    def spy(args, work, *rest, **kw):
+        seen["lengths"] = (work.prompt_len, work.gen_len)
+        return real(args, work, *rest, **kw)
+    monkeypatch.setattr(cli, "resolve_auto", spy)
     p = placement_from_args(parse("--percent", "auto", "--max-new-tokens", "16"))
     assert seen["lengths"] == (2048 - 16 + 1, 16)            # opt-125m: 2048 positions
     assert p.gpu_batch_size == 4 and p.percent == (100, 0, 100, 0, 100, 0)
@@ -358,7 +359,7 @@ def test_every_offload_dir_default_is_the_placement_constant():
     p = argparse.ArgumentParser()
     add_placement_args(p)
     assert p.parse_args([]).offload_dir == DEFAULT_OFFLOAD_DIR
-    assert Placement().offload_dir == P.Request().offload_dir == DEFAULT_OFFLOAD_DIR
+    assert Placement().offload_dir == P.PlacementRequest().offload_dir == DEFAULT_OFFLOAD_DIR
 
 
 @pytest.mark.parametrize("shape", [(64, 128), (3, 100), (5, 64)])
@@ -386,7 +387,7 @@ def test_every_policys_hooks_can_be_measured(name):
 def test_calibration_prints_every_step(monkeypatch, tmp_path):
     """A first calibration says what it measures, step i of N, and the time so far: one line
     per step, N known up front (the measurements themselves are stubbed here)."""
-    from flexevict.runtime import calibration
+    from flexevict.planner import calibration
     for name in ("measure_links", "measure_disk", "measure_matmul", "measure_prepare",
                  "measure_quant", "measure_attention", "measure_overheads", "measure_probe",
                  "measure_engine_probe"):

@@ -25,8 +25,9 @@ import torch
 
 from flexevict.core import kernels
 from flexevict.api import DTYPES, resolve_device, resolve_model
-from flexevict.cli import (add_placement_args, add_policy_args, add_threads_arg, cpu_threads,
-                   has_auto, placement_from_args, policy_spec)
+from flexevict.cli import (add_placement_args, add_policy_args, add_threads_arg,
+                           cost_model_from_args, cpu_threads, has_auto, placement_from_args,
+                           policy_spec)
 from flexevict.runtime.engine import Engine, RunResult, check_length
 from flexevict.errors import UserError, cli_errors
 from flexevict.runtime.memory import DoesNotFit, MemoryPlan, GIB, out_of_memory
@@ -139,21 +140,21 @@ def run(args) -> dict:
 
 
 def predict(args, config, placement, n: int, device, dtype) -> dict | None:
-    """The cost model's prediction for this run (runtime/search.py, costmodel.py): per phase
+    """The cost model's prediction for this run (planner/search.py, costmodel.py): per phase
     and total, what bounds each phase, and the calibration it used. A bench measures the
     machine only when asked (--predict, an `auto` flag, which calibrated already, or
     --calibration FILE); otherwise it predicts from a cached calibration, read only, or not at
     all (None): a first run must not spend a minute calibrating for a line of output."""
-    from flexevict.runtime import calibration
-    from flexevict.runtime.costmodel import CostModel
-    from flexevict.runtime.search import bound_line, cost_model
+    from flexevict.planner import calibration
+    from flexevict.planner.costmodel import CostModel
+    from flexevict.planner.search import bound_line
     asked = args.predict or has_auto(args) or args.calibration
     cal = None if asked else calibration.cached(device, args.threads)
     if cal is None and not asked:
         return None
     try:
-        model: CostModel = cost_model(args, config, args.prompt_len, args.gen_len, device,
-                                      dtype, policy_spec(args), cal=cal)
+        model: CostModel = cost_model_from_args(args, _workload(args, config, device, dtype),
+                                                cal=cal)
         e = model.estimate(placement, n)
     except UserError:
         if asked:
@@ -178,7 +179,7 @@ def confirm_long_run(predicted: dict | None, steps: int, yes: bool) -> None:
     seconds = predicted["prefill_s"] + (steps - 1) * predicted["decode_step_s"]
     if seconds < LONG_RUN_S:
         return
-    from flexevict.runtime.search import wall_time
+    from flexevict.planner.search import wall_time
     what = (f"this run is predicted to take {wall_time(seconds)} "
             f"({predicted['throughput']:.3f} token/s)")
     if sys.stdin.isatty() and sys.stderr.isatty():
@@ -193,17 +194,22 @@ def confirm_long_run(predicted: dict | None, steps: int, yes: bool) -> None:
 def predicted_there(args, config, fits, n: int, device, dtype) -> str:
     """'; predicted ... there' for the placement a memory error names, from a cached
     calibration (never measured for an error line); '' without either."""
-    from flexevict.runtime import calibration
-    from flexevict.runtime.search import cost_model, wall_time
+    from flexevict.planner import calibration
+    from flexevict.planner.search import wall_time
     cal = calibration.cached(device, args.threads) if fits is not None else None
     if cal is None:
         return ""
     try:
-        e = cost_model(args, config, args.prompt_len, args.gen_len, device, dtype,
-                       policy_spec(args), cal=cal).estimate(fits, n)
+        e = cost_model_from_args(args, _workload(args, config, device, dtype),
+                                 cal=cal).estimate(fits, n)
     except UserError:
         return ""
     return f"; predicted there: {e.throughput:.3f} token/s, {wall_time(e.total_s)} for the run"
+
+
+def _workload(args, config, device, dtype):
+    from flexevict.planner.search import Workload
+    return Workload(config, args.prompt_len, args.gen_len, policy_spec(args), device, dtype)
 
 
 def load_kernels(device) -> float | None:

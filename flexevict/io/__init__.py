@@ -1,2 +1,4 @@
 """Reading models: `weights` (dummy, HF folders, native layout, the converter), `gguf_io`,
-`tokenizer` and `packaged` (the models and texts that ship as pip packages)."""
+`tokenizer` and `packaged` (the models and texts that ship as pip packages).
+
+May import `flexevict.core` and `flexevict.errors`."""

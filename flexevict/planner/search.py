@@ -25,14 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from flexevict.errors import UserError
-from flexevict.runtime.calibration import load as load_calibration
-from flexevict.runtime.costmodel import CostModel, Estimate
+from flexevict.planner.calibration import load as load_calibration
+from flexevict.planner.costmodel import CostModel, Estimate
 from flexevict.runtime.machine import device_name
 from flexevict.runtime.memory import (GIB, _mem_available, disk_free, host_need, overflow,
                                       process_anon, stage_weights)
 from flexevict.runtime.placement import DEFAULT_OFFLOAD_DIR, Placement
 
-AUTO = "auto"
 WEIGHT_STEP = CACHE_STEP = 10          # percent steps searched
 GPU_BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 NUM_GPU_BATCHES = (1, 2, 4, 8, 16)
@@ -44,7 +43,7 @@ SWITCHES = ("compress_weight", "compress_cache", "cpu_cache_compute")
 
 
 @dataclass(frozen=True)
-class Request:
+class PlacementRequest:
     """What to plan: each field a value, or None where the search chooses it."""
     percent: tuple | None = None
     gpu_batch_size: int | None = None
@@ -58,12 +57,7 @@ class Request:
     offload_dir: str = DEFAULT_OFFLOAD_DIR
     max_batch: int | None = None      # at most this many sequences in a block (the prompts)
 
-    @property
-    def is_auto(self) -> bool:
-        return None in (self.percent, self.gpu_batch_size, self.num_gpu_batches,
-                        self.compress_weight, self.compress_cache, self.cpu_cache_compute)
-
-    def freed(self, name: str) -> "Request":
+    def freed(self, name: str) -> "PlacementRequest":
         return dataclasses.replace(self, **{name: None})
 
 
@@ -87,7 +81,7 @@ class Limits:
 class Plan:
     """A search's outcome: the ranked feasible estimates (best first)."""
     model: CostModel
-    request: Request
+    request: PlacementRequest
     limits: Limits
     ranked: list
     evaluated: int
@@ -107,7 +101,7 @@ class Infeasible(Exception):
 
 # ---------------------------------------------------------------------------- the search
 
-def search(model: CostModel, request: Request, limits: Limits, top: int = 5) -> Plan:
+def search(model: CostModel, request: PlacementRequest, limits: Limits, top: int = 5) -> Plan:
     """The `top` feasible placements with the highest predicted throughput -> Plan; raises
     Infeasible when none fits."""
     _check_fixed(request)
@@ -136,7 +130,7 @@ def search(model: CostModel, request: Request, limits: Limits, top: int = 5) -> 
     return Plan(model, request, limits, ranked, evaluated)
 
 
-def _check_fixed(request: Request) -> None:
+def _check_fixed(request: PlacementRequest) -> None:
     """A fixed --percent must be one Placement accepts (the same one-line errors)."""
     if request.percent is not None:
         Placement(*request.percent, compress_cache=bool(request.compress_cache)).checked()
@@ -152,7 +146,7 @@ def _rank(e: Estimate) -> tuple:
     return -float(f"{e.throughput:.3g}"), e.n, e.memory["gpu"] + e.memory["cpu"]
 
 
-def _batch_shapes(request: Request) -> list[tuple[int, int]]:
+def _batch_shapes(request: PlacementRequest) -> list[tuple[int, int]]:
     sizes = [request.gpu_batch_size] if request.gpu_batch_size else GPU_BATCH_SIZES
     counts = [request.num_gpu_batches] if request.num_gpu_batches else NUM_GPU_BATCHES
     shapes = [(g, n) for g in sizes for n in counts
@@ -161,7 +155,7 @@ def _batch_shapes(request: Request) -> list[tuple[int, int]]:
     return shapes
 
 
-def _all_gpu(request: Request, gbs: int, nb: int) -> Placement:
+def _all_gpu(request: PlacementRequest, gbs: int, nb: int) -> Placement:
     return _placement(request, (100, 0, 100, 0, 100, 0), gbs, nb, False, False, False)
 
 
@@ -172,7 +166,7 @@ def _placement(request, percent, gbs, nb, cw, cc, ccc) -> Placement:
                      offload_dir=request.offload_dir)
 
 
-def _frontier(model: CostModel, request: Request, limits: Limits, gbs: int, nb: int):
+def _frontier(model: CostModel, request: PlacementRequest, limits: Limits, gbs: int, nb: int):
     """Feasible placements of one batch shape that no other feasible one dominates ->
     (list of (placement, its MemoryPlan), the least overflowing (resource, need, have)).
 
@@ -393,7 +387,7 @@ def header(model: CostModel, limits: Limits) -> str:
             f"{cal.data['machine']['device']}{tag}")
 
 
-def infeasible_line(model: CostModel, request: Request, limits: Limits, err: Infeasible) -> str:
+def infeasible_line(model: CostModel, request: PlacementRequest, limits: Limits, err: Infeasible) -> str:
     """One line: the binding resource, and the smallest change that fits (one flag set free,
     else every flag, else the limit it would take)."""
     flag = {"GPU": "--gpu-mem-limit", "CPU": "--cpu-mem-limit", "disk": "free disk under "
@@ -424,60 +418,42 @@ def infeasible_line(model: CostModel, request: Request, limits: Limits, err: Inf
             f"{_gib(err.need)}, or lower --prompt-len / --gen-len or --budget")
 
 
-def _all_free(request: Request) -> bool:
+def _all_free(request: PlacementRequest) -> bool:
     return all(getattr(request, n) is None for n in
                ("percent", "gpu_batch_size", "num_gpu_batches", *SWITCHES))
 
 
-def _free_all(request: Request) -> Request:
+def _free_all(request: PlacementRequest) -> PlacementRequest:
     return dataclasses.replace(request, percent=None, gpu_batch_size=None, num_gpu_batches=None,
                                compress_weight=None, compress_cache=None, cpu_cache_compute=None)
 
 
-# ---------------------------------------------------------------------------- from flags
+# ---------------------------------------------------------------------------- entry points
 
-def request_from_args(args, max_batch: int | None = None) -> Request:
-    """A Request from the shared placement flags (cli.add_placement_args); `auto` -> None."""
-    percent = None if _is_auto(args.percent) else tuple(int(x) for x in args.percent)
-    get = lambda name: None if getattr(args, name) == AUTO else getattr(args, name)  # noqa: E731
-    gbs = get("gpu_batch_size")
-    return Request(percent=percent, gpu_batch_size=gbs or None if gbs is not None else None,
-                   num_gpu_batches=get("num_gpu_batches"),
-                   compress_weight=get("compress_weight"), compress_cache=get("compress_cache"),
-                   cpu_cache_compute=get("cpu_cache_compute"), overlap=args.overlap,
-                   sep_layer=args.sep_layer, pin_weight=args.pin_weight,
-                   offload_dir=args.offload_dir, max_batch=max_batch)
-
-
-def _is_auto(percent) -> bool:
-    return isinstance(percent, (list, tuple)) and len(percent) == 1 and percent[0] == AUTO
-
-
-def limits_from_args(args, device, calibration=None) -> Limits:
-    """--gpu-mem-limit (default: the GPU's memory), --cpu-mem-limit (default: the host memory
-    available now) in GiB, and free disk under --offload-dir. Planning for another machine (a
-    calibration made elsewhere, or synthetic), the defaults are that machine's memory."""
+def limits_for(device, offload_dir: str, gpu_bytes: int | None = None,
+               cpu_bytes: int | None = None, calibration=None) -> Limits:
+    """The memory a plan may use: gpu_bytes (default: the GPU's memory), cpu_bytes (default:
+    the host memory available now), and free disk under offload_dir. Planning for another
+    machine (a calibration made elsewhere, or synthetic), the defaults are that machine's."""
     device = torch.device(device)
     elsewhere = calibration is not None and _elsewhere(calibration, device)
-    gpu = None
-    if device.type == "cuda":
-        gb = getattr(args, "gpu_mem_limit", None)
-        if gb is not None:
-            gpu = int(gb * GIB)
-        elif elsewhere and calibration.data.get("gpu_memory_gb"):
+    gpu = gpu_bytes
+    if device.type == "cuda" and gpu is None:
+        if elsewhere and calibration.data.get("gpu_memory_gb"):
             gpu = int(calibration.data["gpu_memory_gb"] * GIB)
         elif torch.cuda.is_available():
             gpu = torch.cuda.get_device_properties(device).total_memory
+    elif device.type != "cuda":
+        gpu = None
     baseline = process_anon() + BASELINE_MARGIN
-    cpu_gb = getattr(args, "cpu_mem_limit", None)
-    if cpu_gb is not None:
-        cpu = int(cpu_gb * GIB)
-    elif elsewhere and calibration.data.get("host_memory_gb"):
-        cpu = int(calibration.data["host_memory_gb"] * GIB)
-    else:
-        available = _mem_available()
-        cpu = None if available is None else available + baseline
-    return Limits(gpu=gpu, cpu=cpu, disk=disk_free(args.offload_dir), baseline=baseline)
+    cpu = cpu_bytes
+    if cpu is None:
+        if elsewhere and calibration.data.get("host_memory_gb"):
+            cpu = int(calibration.data["host_memory_gb"] * GIB)
+        else:
+            available = _mem_available()
+            cpu = None if available is None else available + baseline
+    return Limits(gpu=gpu, cpu=cpu, disk=disk_free(offload_dir), baseline=baseline)
 
 
 def _elsewhere(calibration, device) -> bool:
@@ -489,34 +465,42 @@ def _elsewhere(calibration, device) -> bool:
     return calibration.data.get("machine", {}).get("device") != device_name(device)
 
 
-def cost_model(args, config, prompt_len: int, gen_len: int, device, dtype, spec, log=print,
-               cal=None):
-    """The CostModel for the flags and the policy `spec` (a PolicySpec): calibration `cal`, else
-    from --calibration or this machine's cache (measured now when there is none)."""
-    if cal is not None:
-        return CostModel(config, cal, device, dtype, prompt_len, gen_len, spec)
-    path = getattr(args, "calibration", None)
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available() and not path \
+@dataclass(frozen=True)
+class Workload:
+    """What is planned for: the model, the run's lengths, the policy (a PolicySpec), where it
+    computes and in what dtype."""
+    config: object
+    prompt_len: int
+    gen_len: int
+    spec: object
+    device: object
+    dtype: object
+
+
+def cost_model_for(work: Workload, calibration_path: str | None = None,
+                   threads: int | None = None, offload_dir: str = DEFAULT_OFFLOAD_DIR,
+                   log=print) -> CostModel:
+    """The CostModel of `work` with the calibration at calibration_path, else this machine's
+    cache (measured now when there is none; threads: the CPU threads it is for)."""
+    device = torch.device(work.device)
+    if device.type == "cuda" and not torch.cuda.is_available() and not calibration_path \
             and not os.environ.get("FLEXEVICT_CALIBRATION"):
         raise UserError("planning for a GPU on a machine without one needs --calibration FILE "
                         "(python -m flexevict.calibrate --out FILE on that machine, or "
                         "--synthetic h100)")
-    cal = load_calibration(torch.device(device), getattr(args, "threads", None),
-                           args.offload_dir, path=path, log=log)
-    return CostModel(config, cal, device, dtype, prompt_len, gen_len, spec)
+    cal = load_calibration(device, threads, offload_dir, path=calibration_path, log=log)
+    return with_calibration(work, cal)
 
 
-def resolve_auto(args, config, prompt_len: int, gen_len: int, device, dtype, spec,
-                 max_batch: int | None = None, log=print) -> tuple[Placement, Plan | None]:
-    """The placement the flags describe, with every `auto` resolved by the search for runs of
-    prompt_len + gen_len tokens of policy `spec` (at most max_batch sequences a block) ->
-    (placement, plan; None when nothing was auto). Prints the choice, its prediction and what
-    binds it to stderr. Reads args.percent, gpu_batch_size, num_gpu_batches, the switches,
-    overlap, sep_layer, pin_weight, offload_dir, gpu_mem_limit, cpu_mem_limit, calibration and
-    threads (any object with those attributes: an argparse namespace or a request)."""
-    request = request_from_args(args, max_batch)
-    model = cost_model(args, config, prompt_len, gen_len, device, dtype, spec, log)
-    limits = limits_from_args(args, device, model.cal)
+def with_calibration(work: Workload, cal) -> CostModel:
+    return CostModel(work.config, cal, work.device, work.dtype, work.prompt_len, work.gen_len,
+                     work.spec)
+
+
+def resolve(model: CostModel, request: PlacementRequest, limits: Limits,
+            log=print) -> tuple[Placement, Plan]:
+    """The request with every free field chosen by the search -> (placement, plan). Prints the
+    choice, its prediction and what binds it to stderr."""
     try:
         plan = search(model, request, limits)
     except Infeasible as e:

@@ -271,7 +271,7 @@ class CostModel:
         self._passes_fit = dict(PASSES[arch])
         if not probe:
             return self._passes_fit
-        from flexevict.runtime.calibration import probe_config
+        from flexevict.planner.calibration import probe_config
         from flexevict.policies import PolicySpec
         c = probe_config(arch)
         b, s = probe["batch"], probe["prompt"]
@@ -302,7 +302,7 @@ class CostModel:
         probe = self.dev.get("engine_probe", {}).get(self.config.arch)
         if not probe or self.cuda:
             return self._eff
-        from flexevict.runtime.calibration import engine_probe_config
+        from flexevict.planner.calibration import engine_probe_config
         from flexevict.runtime.placement import Placement
         from flexevict.policies import PolicySpec
         eff = {"prefill": 1.0, "decode": 1.0, "weights": 1.0}
