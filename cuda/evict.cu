@@ -84,6 +84,7 @@ __device__ Pick pick_victim(const FeSelectCommit& p, int64_t row, int lane) {
     else if (p.source == FE_VALUE_SCORE) key = p.score[at];
     else if (p.source == FE_VALUE_TENSOR) key = p.value[c * p.rows + row];
     else key = hamming_value(p, slot, row);
+    if (isnan(key)) key = -INFINITY;                // a NaN value goes first, as in `lowest`
     const Pick mine{key, p.pos[at], (int32_t)c};
     if (before(mine, best)) best = mine;
   }
@@ -114,6 +115,9 @@ __global__ void select_commit_kernel(FeSelectCommit p) {
     victim = best.cand < p.n_range ? best.cand : p.extra;
   }
   if (lane == 0 && p.victims_out != nullptr) p.victims_out[row] = victim;
+  // every lane's reads of the row (the selection) before any lane's writes (the commit): the
+  // shuffles above converge the warp but do not order memory
+  __syncwarp();
   switch (p.commit) {
     case FE_COMMIT_MASK:                            // HashEvict: hide the victim from attention
       if (lane == 0) p.valid[b.at(victim, row)] = 0;

@@ -26,9 +26,15 @@ __global__ void quantize_kernel(const T* x, int64_t outer, int64_t length, int64
   const int64_t o = id / (groups * inner), gi = id / inner % groups, in = id % inner;
   const T* col = x + o * length * inner + in;
   const int64_t l0 = gi * group, l1 = min(l0 + group, length);
+  // NaN propagates, as in torch's amin/amax (fminf/fmaxf would skip it): a group holding a
+  // NaN gets a NaN min and scale, and dequantizes to NaN, never to plausible numbers
   float mn = INFINITY, mx = -INFINITY;
   for (int64_t l = l0; l < l1; ++l) {
     const float val = fe::to_f(col[l * inner]);
+    if (isnan(val)) {
+      mn = mx = val;
+      break;
+    }
     mn = fminf(mn, val);
     mx = fmaxf(mx, val);
   }

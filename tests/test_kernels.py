@@ -158,6 +158,25 @@ def test_prefill_attention_reference_vs_dense(b, h, hk, s, d, block):
     assert torch.allclose(colsum, want_col, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["bidirectional", "sliding-window", "random"])
+def test_prefill_attention_reference_takes_any_mask(kind):
+    """The dispatch accepts any mask, so the reference must not assume a causal one (it once
+    skipped every key after each query block)."""
+    b, h, hk, s, d = 2, 4, 2, 21, 8
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(b, h, s, d, generator=gen)
+    k, v = torch.randn(2, b, hk, s, d, generator=gen)
+    valid = torch.ones(b, s, dtype=torch.bool)
+    i = torch.arange(s)
+    mask = {"bidirectional": torch.ones(s, s, dtype=torch.bool),
+            "sliding-window": (i[:, None] - i[None, :]).abs() <= 3,
+            "random": torch.rand(s, s, generator=gen) > 0.5}[kind]
+    mask = mask.expand(b, 1, s, s).clone()
+    out, colsum = kernels.prefill_attention(q, k, v, mask, valid, 0.5, block=4)
+    want_out, want_col = naive_prefill(q, k, v, mask, valid, 0.5)
+    assert torch.allclose(out, want_out, atol=1e-5) and torch.allclose(colsum, want_col, atol=1e-5)
+
+
 def hand_buffer():
     """One row, 4 committed slots + scratch: scores 0.5, 0.2, 0.2, 0.9 at positions 3, 1, 0, 2."""
     buf = KVBuffer(Layout(5), 1, 2, torch.float32, "cpu")
@@ -177,6 +196,18 @@ def test_victim_ties_go_to_the_oldest_and_empty_slots_first():
     value = torch.tensor([[4.0], [3.0], [2.0], [1.0]])             # an explicit value
     buf.valid[3] = True
     assert kernels.evict_commit(buf, 3, cursor=True, value=value, commit="none").tolist() == [0]
+
+
+def test_a_nan_score_goes_first_like_an_empty_slot():
+    """One semantics for kernel and reference: a NaN value counts as empty (evicted first, by
+    age among the empty), never skipped and never index 0 by accident."""
+    buf = hand_buffer()
+    buf.score[3, 0] = float("nan")                                  # slot 3 (pos 2)
+    assert kernels.evict_commit(buf, 4, cursor=False, commit="none").tolist() == [3]
+    buf.score[1, 0] = float("nan")                                  # slot 1 (pos 1): older
+    assert kernels.evict_commit(buf, 4, cursor=False, commit="none").tolist() == [1]
+    value = torch.tensor([[4.0], [float("nan")], [float("inf")]])   # explicit values too
+    assert kernels.evict_commit(buf, 3, cursor=False, value=value, commit="none").tolist() == [1]
 
 
 def test_ring_and_replace_commits():
@@ -449,6 +480,20 @@ def test_prefill_attention_kernel(built, dtype, b, h, hk, s, d):
     assert not out.isnan().any() and not col.isnan().any()
 
 
+@gpu
+def test_prefill_attention_kernel_with_a_non_causal_mask(built):
+    b, h, hk, s, d = 2, 4, 2, 70, 64
+    gen = cuda_gen(11)
+    q = torch.randn(b, h, s, d, device="cuda", generator=gen)
+    k, v = torch.randn(2, b, hk, s, d, device="cuda", generator=gen)
+    valid = torch.ones(b, s, dtype=torch.bool, device="cuda")
+    mask = (torch.rand(b, 1, s, s, device="cuda", generator=gen) > 0.3)
+    want_out, want_col = ref.prefill_attention(q, k, v, mask, valid, d ** -0.5, block=16)
+    out, col = kernels.prefill_attention(q, k, v, mask, valid, d ** -0.5)
+    assert rel_err(out, want_out) <= TOL[torch.float32]
+    assert rel_err(col, want_col) <= TOL[torch.float32]
+
+
 def random_buffer(cap, rows, d, dtype, seed, ring_start, ties=True) -> KVBuffer:
     """A full buffer with random K/V, tied scores, unique positions and some empty slots, plus a
     token in the scratch slot."""
@@ -501,6 +546,17 @@ def test_evict_commit_kernel(built, reference_only, dtype, cap, rows, d, ring_st
                             reference_only)
     assert torch.equal(va, vb)
     assert_same_buffers(a, b)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_evict_commit_kernel_with_nan_scores(built, reference_only, dtype):
+    buf = random_buffer(410, 24, 128, dtype, 7, 205)
+    buf.score[torch.randperm(410, generator=torch.Generator().manual_seed(0))[:30]] = float("nan")
+    (a, va), (b, vb) = both(lambda x: kernels.evict_commit(x, 205, True), buf, reference_only)
+    assert torch.equal(va, vb)
+    assert torch.equal(a.k, b.k) and torch.equal(a.pos, b.pos) and torch.equal(a.valid, b.valid)
+    assert torch.equal(a.score.isnan(), b.score.isnan())
 
 
 @gpu
@@ -644,6 +700,25 @@ def test_quantize_kernel(built, dtype, shape, dim):
     assert torch.equal(got.min, want.min) and torch.equal(got.scale, want.scale)
     poison()
     assert torch.equal(kernels.dequantize_4bit(got), want_x)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_quantize_kernel_propagates_nan_like_the_reference(built, dtype):
+    x = torch.randn(6, 256, device="cuda", generator=cuda_gen(9)).to(dtype)
+    x[1, 5] = x[4, 130] = float("nan")                             # two groups of 64 hold one
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLEXEVICT_KERNELS", "0")
+        want = kernels.quantize_4bit(x)
+        want_x = kernels.dequantize_4bit(want)
+    got = kernels.quantize_4bit(x)
+    same = lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # noqa: E731
+    same(got.min, want.min)
+    same(got.scale, want.scale)
+    assert torch.equal(got.data, want.data)
+    back = kernels.dequantize_4bit(got)
+    same(back, want_x)
+    assert back[1, :64].isnan().all() and not back[1, 64:].isnan().any()
 
 
 # ---------------------------------------------------------------- end to end

@@ -60,9 +60,10 @@ def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold
     """Prefill attention that also returns each key's attention received (H2O's column sums),
     computed over query blocks so the S x S matrix is never materialised whole.
 
-    q (B, H, S, d), k/v (B, Hk, S, d), mask (B, 1, S, S) bool, valid (B, S) ->
-    out (B, H, S, d), column sums (B, Hk, S) fp32 summed over query heads, pad queries excluded.
-    A query that may see no key gets a zero output and no vote.
+    q (B, H, S, d), k/v (B, Hk, S, d), mask (B, 1, S, S) bool (any mask; a causal one skips
+    the keys after each query block), valid (B, S) -> out (B, H, S, d), column sums (B, Hk, S)
+    fp32 summed over query heads, pad queries excluded. A query that may see no key gets a zero
+    output and no vote.
     fold(acc, p, first, valid) replaces the column sum with a policy's own prompt statistic;
     p (B, Hk, g, c, S) fp32 are the probabilities of query rows [first, first + c).
     """
@@ -73,21 +74,24 @@ def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold
     out = torch.empty_like(q).view(b, hk, g, s, d)
     colsum = None if fold else torch.zeros(b, hk, s, dtype=torch.float32, device=q.device)
     blind = ~mask.any(dim=-1)                                      # (B, 1, S) sees no key
-    any_blind = bool(blind.any())                                  # prefill only: a host read
+    any_blind = bool(blind.any())                                  # prefill only: host reads
+    # a causal mask (no query sees a later key) lets query block [i, j) read keys [0, j) only
+    causal = not bool(mask.triu(diagonal=1).any())
     kt = k.transpose(-1, -2).unsqueeze(2)                          # (B, Hk, 1, d, S)
     vg = v.unsqueeze(2)
     for i in range(0, s, block):
-        j = min(i + block, s)                                      # causal: keys [0, j) only
-        logits = (qg[:, :, :, i:j] @ kt[..., :j]).float() * scale  # (B, Hk, g, c, j)
-        logits.masked_fill_(~mask[:, :, None, i:j, :j], float("-inf"))
+        e = min(i + block, s)                                      # queries [i, e)
+        j = e if causal else s                                     # keys [0, j)
+        logits = (qg[:, :, :, i:e] @ kt[..., :j]).float() * scale  # (B, Hk, g, c, j)
+        logits.masked_fill_(~mask[:, :, None, i:e, :j], float("-inf"))
         p = logits.softmax(dim=-1)
         if any_blind:
-            p.masked_fill_(blind[:, :, None, i:j, None], 0.0)
-        out[:, :, :, i:j] = p.to(v.dtype) @ vg[:, :, :, :j]
+            p.masked_fill_(blind[:, :, None, i:e, None], 0.0)
+        out[:, :, :, i:e] = p.to(v.dtype) @ vg[:, :, :, :j]
         if fold:                                                   # folds see all S keys
             colsum = fold(colsum, F.pad(p, (0, s - j)), i, valid)
         else:
-            p = p * valid[:, None, None, i:j, None]                # pad queries do not vote
+            p = p * valid[:, None, None, i:e, None]                # pad queries do not vote
             colsum[..., :j] += p.sum(dim=(2, 3))
     return out.view(b, h, s, d), colsum
 
@@ -194,8 +198,9 @@ def candidate_slots(buf: KVBuffer, end: int, cursor: bool) -> torch.Tensor:
 
 
 def lowest(buf: KVBuffer, value: torch.Tensor, candidates: torch.Tensor | int) -> torch.Tensor:
-    """Per row, the candidate slot with the lowest value; empty slots first, ties -> oldest
-    (smallest pos), then the first candidate.
+    """Per row, the candidate slot with the lowest value; empty slots first (a NaN value
+    counts as empty: it goes first, never hides), ties -> oldest (smallest pos), then the
+    first candidate.
 
     value (c, R) over candidate slots `candidates`: (c,) slot indices, or an int c for the
     slots [0, c), read as slices (no gathers) -> (R,) slot indices.
@@ -203,7 +208,8 @@ def lowest(buf: KVBuffer, value: torch.Tensor, candidates: torch.Tensor | int) -
     prefix = isinstance(candidates, int)
     valid, pos = ((buf.valid[:candidates], buf.pos[:candidates]) if prefix
                   else (buf.valid[candidates], buf.pos[candidates]))
-    value = torch.where(valid, value, float("-inf"))
+    value = torch.where(valid, value, float("-inf")).nan_to_num_(
+        nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     is_min = value == value.min(dim=0, keepdim=True).values
     age = torch.where(is_min, pos, torch.iinfo(torch.int32).max).argmin(dim=0)
     return age if prefix else candidates[age]
