@@ -95,12 +95,16 @@ def job_spec(args):
         raise UserError("--ray, --on-error and --restart are for jobs: give --input and --output")
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1 (got {args.workers})")
+    if args.input:
+        from flexevict.jobs.runner import check_paths
+        check_paths(args.input, args.output)
     batch_flags(args)
     sampling = Sampling(greedy=args.temperature is None,
                         temperature=1.0 if args.temperature is None else args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     sampling.check()
     policy = policy_spec(args)
+    policy.make()                      # its arguments refused now, not after the model loads
     placement = placement_from_args(args)
     if placement.gpu_batch_size < 1:
         placement = dataclasses.replace(placement, gpu_batch_size=DEFAULT_GPU_BATCH)

@@ -13,6 +13,12 @@ from flexevict.policies.base import Policy
 class Full(Policy):
     name = "full"
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.budget is not None and self.budget < 1:
+            raise UserError(f"policy 'full' keeps every token; drop --budget {self.budget} or "
+                            "choose an eviction policy (--policy h2o, ...)")
+
     def layout(self, prompt_len: int, gen_len: int) -> Layout:
         layout = super().layout(prompt_len, gen_len)
         if layout.evicts:

@@ -298,19 +298,183 @@ def test_a_100k_line_input_is_never_held_at_once(tmp_path, tiny_dir, monkeypatch
 
 # ------------------------------------------------------------------ the state folder
 
-def test_torn_block_files_are_ignored_and_the_folder_is_locked(tmp_path):
-    manifest = {"version": 1, "input": {"size": 1, "sha256": "x"}, "settings": {"--seed": 0}}
+MANIFEST = {"version": job_state.VERSION, "input": {"size": 1, "sha256": "x"},
+            "settings": {"--seed": 0}}
+ROW = {"line": 1, "prompt_tokens": 1, "out": {"id": 1, "tokens": 1}}
+
+
+def state_with_blocks(tmp_path, blocks=((0, 0, 2), (0, 1, 2))):
+    """A closed state folder with a manifest and committed one-row blocks."""
     s = job_state.JobState(str(tmp_path / "out.jsonl"))
-    assert s.open(manifest, restart=False) == 0
-    s.commit(0, 0, 2, {"rows": [{"line": 1, "prompt_tokens": 1, "out": {"id": 1, "tokens": 1}}],
-                       "resolved": {}, "seconds": 0.0})
+    assert s.open(MANIFEST, restart=False) == 0
+    for line, (w, b, n) in enumerate(blocks, 1):
+        s.commit(w, b, n, {"rows": [{**ROW, "line": line}], "resolved": {}, "seconds": 0.0})
+    s.close()
+    return s
+
+
+def reopen(tmp_path, manifest=MANIFEST, restart=False):
+    s = job_state.JobState(str(tmp_path / "out.jsonl"))
+    return s, s.open(manifest, restart=restart)
+
+
+def test_torn_block_files_are_ignored_and_the_folder_is_locked(tmp_path):
+    s = state_with_blocks(tmp_path, [(0, 0, 2)])
     torn = os.path.join(s.blocks, "0-1-of-2.json.tmp")
     open(torn, "w").write('{"rows": [{"li')                   # kill -9 mid-write
+    held, rows = reopen(tmp_path)
+    assert rows == 1 and not os.path.exists(torn)             # the committed block only
     with pytest.raises(UserError, match="in use by another run"):
-        job_state.JobState(str(tmp_path / "out.jsonl")).open(manifest, restart=False)
-    s.close()
-    again = job_state.JobState(str(tmp_path / "out.jsonl"))
-    assert again.open(manifest, restart=False) == 1           # the committed block only
-    assert not os.path.exists(torn) and again.committed() == {0: {0}}
-    assert again.complete_windows() == set()
+        reopen(tmp_path)
+    with pytest.raises(UserError, match="in use by another run"):   # --restart waits its turn
+        reopen(tmp_path, restart=True)
+    assert held.committed() == {0: {0}} and held.complete_windows() == set()
+    held.close()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "emptied", "random bytes", "rows dropped",
+                                    "a completion edited", "renamed"])
+def test_a_damaged_block_is_set_aside_and_generated_again(tmp_path, damage, capsys):
+    s = state_with_blocks(tmp_path, [(0, 0, 2), (0, 1, 2)])
+    path = os.path.join(s.blocks, "0-1-of-2.json")
+    text = open(path, encoding="utf-8").read()
+    record = json.loads(text)
+    if damage == "truncated":
+        open(path, "w").write(text[:len(text) // 2])
+    elif damage == "emptied":
+        open(path, "w").close()
+    elif damage == "random bytes":
+        open(path, "wb").write(os.urandom(200))
+    elif damage == "rows dropped":
+        open(path, "w").write(json.dumps({**record, "rows": []}))
+    elif damage == "a completion edited":
+        record["rows"][0]["out"]["completion"] = "edited"
+        open(path, "w").write(json.dumps(record))
+    else:                                                     # another block's name
+        os.replace(path, os.path.join(s.blocks, "1-0-of-2.json"))
+        path = os.path.join(s.blocks, "1-0-of-2.json")
+    again, rows = reopen(tmp_path)
+    assert rows == 1 and again.committed() == {0: {0}}        # block 0 only: 1 is regenerated
+    aside = os.path.join(s.folder, "damaged", os.path.basename(path))
+    assert os.path.exists(aside) and not os.path.exists(path)      # set aside, never deleted
+    err = capsys.readouterr().err
+    assert f"{path} is damaged" in err and "generated again" in err and err.count("\n") == 1
     again.close()
+
+
+def test_a_stray_file_is_ignored_with_a_warning(tmp_path, capsys):
+    s = state_with_blocks(tmp_path)
+    open(os.path.join(s.blocks, "notes.json"), "w").write("{}")
+    again, rows = reopen(tmp_path)
+    assert rows == 2 and "notes.json is not a block of this job; ignored" in \
+        capsys.readouterr().err
+    again.close()
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_a_lost_manifest_with_blocks_is_one_clear_error(tmp_path, damage):
+    s = state_with_blocks(tmp_path)
+    path = os.path.join(s.folder, "manifest.json")
+    if damage == "deleted":
+        os.remove(path)
+    else:
+        open(path, "w").write(open(path).read()[:10])
+    with pytest.raises(UserError, match="--restart to start over .* or put back the job's "
+                                        "manifest.json"):
+        reopen(tmp_path)
+    assert len(os.listdir(s.blocks)) == 2                     # nothing discarded
+    again, rows = reopen(tmp_path, restart=True)              # the way on that discards
+    assert rows == 0 and os.listdir(again.blocks) == []
+    again.close()
+
+
+def test_new_settings_without_committed_blocks_are_taken(tmp_path):
+    """A state folder whose run committed nothing never makes a corrected command refuse."""
+    s = job_state.JobState(str(tmp_path / "out.jsonl"))
+    s.open(MANIFEST, restart=False)
+    s.close()
+    other = {**MANIFEST, "settings": {"--seed": 1}}
+    again, rows = reopen(tmp_path, other)
+    assert rows == 0
+    again.close()
+    state_with_blocks(tmp_path / "b")
+    with pytest.raises(UserError, match="other settings"):
+        reopen(tmp_path / "b", other)
+
+
+def test_a_full_disk_is_one_error_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import errno
+    s = state_with_blocks(tmp_path, [(0, 0, 2)])
+    s2, _ = reopen(tmp_path)
+    real = os.fsync
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(UserError, match="no space left .*committed blocks are kept"):
+        s2.commit(0, 1, 2, {"rows": [{**ROW, "line": 2}], "resolved": {}, "seconds": 0.0})
+    assert sorted(os.listdir(s.blocks)) == ["0-0-of-2.json"]      # no .tmp, block 0 kept
+    with pytest.raises(UserError, match="no space left"):
+        s2.assemble(1)
+    assert not os.path.exists(str(tmp_path / "out.jsonl.partial"))
+    monkeypatch.setattr(os, "fsync", real)
+    assert s2.assemble(1)["rows"] == 1                            # once there is room
+    s2.close()
+
+
+@pytest.mark.parametrize("case", ["same file", "through a symlink", "a hard link",
+                                  "a directory", "input is a directory", "input is a FIFO"])
+def test_outputs_that_would_destroy_inputs_are_refused(tmp_path, case):
+    from flexevict.jobs.runner import check_paths
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "a"}\n')
+    out = str(inp)
+    if case == "through a symlink":
+        os.symlink(inp, tmp_path / "link.jsonl")
+        out = str(tmp_path / "link.jsonl")
+    elif case == "a hard link":
+        os.link(inp, tmp_path / "hard.jsonl")
+        out = str(tmp_path / "hard.jsonl")
+    elif case == "a directory":
+        out = str(tmp_path)
+    elif case == "input is a directory":
+        inp, out = tmp_path, str(tmp_path / "o.jsonl")
+    elif case == "input is a FIFO":
+        inp = tmp_path / "fifo"
+        os.mkfifo(inp)
+        out = str(tmp_path / "o.jsonl")
+    want = {"a directory": "--output is a directory", "input is a directory":
+            "--input is a directory", "input is a FIFO": "not a regular file"}.get(
+                case, "is the input file itself")
+    with pytest.raises(UserError, match=want):
+        check_paths(str(inp), out)
+    check_paths(str(tmp_path / "in.jsonl"), str(tmp_path / "fine.jsonl"))   # no complaint
+
+
+def test_flags_found_late_are_refused_before_the_model_loads(tmp_path, tiny_dir):  # noqa: F811
+    write_rows(tmp_path / "in.jsonl", ROWS[:3])
+    proc = job(tmp_path, tiny_dir, "--budget", "0.5")             # the default policy is full
+    assert_user_error(proc, "policy 'full' keeps every token")
+    assert not (tmp_path / "out.jsonl.state").exists()
+    proc = job(tmp_path, tiny_dir, out="in.jsonl")
+    assert_user_error(proc, "is the input file itself")
+    assert (tmp_path / "in.jsonl").read_text().count("\n") == 3  # untouched
+
+
+@pytest.mark.slow
+def test_a_job_with_a_damaged_block_finishes_byte_identical(tmp_path, tiny_dir,  # noqa: F811
+                                                           reference):
+    write_rows(tmp_path / "in.jsonl", ROWS)
+    proc = job(tmp_path, tiny_dir, env={"FLEXEVICT_JOB_TEST_SIGNAL": "KILL:after-commit:3"})
+    assert proc.returncode == -9
+    blocks = tmp_path / "out.jsonl.state" / "blocks"
+    first = sorted(os.listdir(blocks))[0]
+    record = json.loads((blocks / first).read_text())
+    record["rows"][0]["out"]["completion"] = "edited by hand"
+    (blocks / first).write_text(json.dumps(record))
+    (blocks / "notes.json").write_text("{}")
+    proc = job(tmp_path, tiny_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out.jsonl").read_bytes() == reference["greedy"]
+    assert f"{blocks / first} is damaged" in proc.stderr
+    assert (tmp_path / "out.jsonl.damaged" / first).exists()     # kept for the user, not lost

@@ -19,7 +19,7 @@ from flexevict.runtime.progress import Progress
 from flexevict.jobs.blocks import plan_window, run_block
 from flexevict.jobs.inputs import read_window, scan
 from flexevict.jobs.spec import JobSpec
-from flexevict.jobs.state import JobState, paths_for, write_atomic
+from flexevict.jobs.state import VERSION, JobState, paths_for, write_atomic
 
 TEST_SIGNAL = "FLEXEVICT_JOB_TEST_SIGNAL"
 
@@ -30,8 +30,9 @@ def run_job(spec: JobSpec, restart: bool = False, ray: str | None = None,
     the output is already complete."""
     start = time.monotonic()
     paths = paths_for(spec.output)
+    check_paths(spec.input, spec.output)
     found = _check_input(spec, paths)
-    manifest = {"version": 1, "input": found.identity, "settings": spec.settings()}
+    manifest = {"version": VERSION, "input": found.identity, "settings": spec.settings()}
     if not restart and _already_complete(spec.output, paths, manifest):
         print(f"{spec.output} is complete (same input and settings); nothing to do. Add "
               "--restart to generate it again", file=sys.stderr)
@@ -67,6 +68,28 @@ def run_job(spec: JobSpec, restart: bool = False, ray: str | None = None,
             llm.close()
         state.close()
     return summary
+
+
+def check_paths(input_path: str, output: str):
+    """Refuse, before anything is read or written, an input that is not a readable regular
+    file and an output (or a file the job writes beside it) that is a directory or the input
+    itself, through any symlink or hard link."""
+    if os.path.isdir(input_path):
+        raise UserError(f"{input_path}: --input is a directory; give a JSONL file")
+    if os.path.exists(input_path) and not os.path.isfile(input_path):
+        raise UserError(f"{input_path}: --input is not a regular file (a FIFO or device); "
+                        "give a JSONL file")
+    if os.path.isfile(input_path) and not os.access(input_path, os.R_OK):
+        raise UserError(f"{input_path}: --input is not readable (permissions)")
+    if os.path.isdir(output):
+        raise UserError(f"{output}: --output is a directory; give a file name, e.g. "
+                        f"{os.path.join(output, 'out.jsonl')}")
+    written = [output, output + ".partial", *paths_for(output).values()]
+    for path in written:
+        if os.path.exists(path) and os.path.exists(input_path) and \
+                os.path.samefile(path, input_path):
+            raise UserError(f"{path} is the input file itself; the job would overwrite its "
+                            "input: give another --output")
 
 
 def _check_input(spec: JobSpec, paths: dict):

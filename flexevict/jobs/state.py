@@ -2,28 +2,43 @@
 
     manifest.json     the input file's identity (size, SHA-256) and the settings the outputs
                       depend on; a rerun with anything else is refused (or --restart)
-    lock              flock'ed while a run uses the folder (released by the kernel on kill -9)
+    lock              flock'ed while a run uses the folder (released by the kernel on kill -9);
+                      --restart takes it before it clears anything
     blocks/W-B-of-N.json
                       block B of look-ahead window W (N blocks in that window), committed once
-                      generated: written, flushed, fsynced, renamed, directory fsynced
+                      generated: written, flushed, fsynced, renamed, directory fsynced; it holds
+                      the SHA-256 of its place and rows, checked on every resume
+    damaged/          blocks that failed that check (torn, emptied, edited, renamed), set
+                      aside with a warning and generated again; never deleted by the job
 
 A block file is either complete or absent (its temporary `.tmp` is ignored and removed), so a
 run killed at any point loses only the block in flight. When every block is in, the output is
 assembled window by window (each window's rows sorted back into input order) into
-`out.jsonl.partial`, renamed to `out.jsonl`, and the folder is removed.
+`out.jsonl.partial`, renamed to `out.jsonl`, and the folder is removed. A full disk (or quota,
+or file size limit, or read-only filesystem) is one error line naming the path; no temporary
+file stays behind and the committed blocks are kept.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 import time
 
 from flexevict.errors import UserError
 
-MANIFEST, LOCK, BLOCKS = "manifest.json", "lock", "blocks"
-VERSION = 1
+MANIFEST, LOCK, BLOCKS, DAMAGED = "manifest.json", "lock", "blocks", "damaged"
+VERSION = 2                   # 2: blocks carry their SHA-256
+BLOCK_NAME = re.compile(r"(\d+)-(\d+)-of-(\d+)\.json")
+# what a full or read-only disk raises: an error line, not a traceback
+DISK_FULL = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
+             errno.EFBIG: "file too large for the filesystem or its size limit",
+             errno.EROFS: "read-only filesystem"}
 
 
 def paths_for(output: str) -> dict:
@@ -35,16 +50,53 @@ def paths_for(output: str) -> dict:
 
 def write_atomic(path: str, text: str) -> float:
     """Write text to path durably (temp file, flush, fsync, rename, fsync the folder) ->
-    seconds spent."""
+    seconds spent. A full disk: UserError, and the temp file is gone."""
     t0 = time.perf_counter()
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
+    except OSError as e:
+        _remove_quietly(tmp)
+        raise disk_error(path, e, len(text.encode("utf-8"))) from None
     return time.perf_counter() - t0
+
+
+def disk_error(path: str, e: OSError, nbytes: int) -> Exception:
+    """A full or read-only disk as a UserError naming the path and the room needed (the
+    committed blocks stay: rerunning once there is room continues the job); another OSError
+    as itself."""
+    if e.errno not in DISK_FULL:
+        return e
+    return UserError(f"{path}: {DISK_FULL[e.errno]} (writing about {_size(nbytes)}); free "
+                     "space there and rerun the same command: the committed blocks are kept")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"
+
+
+def _remove_quietly(path: str):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def block_digest(w: int, b: int, n: int, rows: list) -> str:
+    """SHA-256 of a block's place (window, block, blocks in the window) and rows: a block that
+    is torn, edited, short or renamed fails it."""
+    text = json.dumps({"window": w, "block": b, "of": n, "rows": rows}, sort_keys=True,
+                      ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def warn(message: str):
+    print(f"flexevict.generate: warning: {message}", file=sys.stderr)
 
 
 def fsync_dir(folder: str):
@@ -66,30 +118,93 @@ class JobState:
 
     # ------------------------------------------------------------------ open / check
     def open(self, manifest: dict, restart: bool) -> int:
-        """Lock the folder and check (or write) its manifest -> rows committed earlier.
+        """Lock the folder (--restart: then clear it), check (or write) its manifest and every
+        committed block -> rows committed earlier.
 
-        A different input or different settings -> UserError naming what changed."""
-        if restart and os.path.isdir(self.folder):
-            shutil.rmtree(self.folder)
+        A different input or different settings with committed blocks -> UserError naming what
+        changed; a missing or unreadable manifest with blocks -> UserError (the two ways on).
+        Damaged blocks are set aside (`damaged/`) and stray files left alone, with a warning."""
         try:
-            os.makedirs(self.blocks, exist_ok=True)
+            os.makedirs(self.folder, exist_ok=True)
             self._take_lock()
+            if restart:
+                self._clear()
+            os.makedirs(self.blocks, exist_ok=True)
         except OSError as e:
             raise UserError(f"{self.folder}: cannot create the job's state folder ({e.strerror}); "
                             "give an --output in a writable directory") from None
-        path = os.path.join(self.folder, MANIFEST)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                old = json.load(f)
-            self._refuse_changes(old, manifest)
-        else:
-            for name in os.listdir(self.blocks):       # blocks without a manifest: not ours
-                os.remove(os.path.join(self.blocks, name))
-            write_atomic(path, json.dumps(manifest, indent=1))
         for name in os.listdir(self.blocks):           # a temporary file of a killed run
             if name.endswith(".tmp"):
                 os.remove(os.path.join(self.blocks, name))
-        return sum(len(self.load(w, b, n)["rows"]) for w, b, n in self._names())
+        old = self._read_manifest()
+        if old is not None and self._names():
+            self._refuse_changes(old, manifest)
+        elif old != manifest:            # nothing committed yet: the new settings simply win
+            write_atomic(os.path.join(self.folder, MANIFEST), json.dumps(manifest, indent=1))
+        return sum(len(self.load(w, b, n)["rows"]) for w, b, n in self._checked_blocks())
+
+    def _clear(self):
+        """--restart: everything in the folder but the lock (held by this run)."""
+        for name in os.listdir(self.folder):
+            if name != LOCK:
+                path = os.path.join(self.folder, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+    def _read_manifest(self) -> dict | None:
+        """The manifest, None when absent (and no block is there either)."""
+        path = os.path.join(self.folder, MANIFEST)
+        ways = ("add --restart to start over (its committed rows are discarded), or put back "
+                f"the job's {MANIFEST}")
+        if not os.path.exists(path):
+            if self._names():
+                raise UserError(f"{self.folder} holds committed blocks but no {MANIFEST}; {ways}")
+            return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                old = json.load(f)
+            if not isinstance(old, dict) or "input" not in old or "settings" not in old:
+                raise ValueError("not a manifest")
+        except (OSError, ValueError) as e:
+            raise UserError(f"{path} is unreadable ({type(e).__name__}); {ways}") from None
+        return old
+
+    def _checked_blocks(self) -> list[tuple[int, int, int]]:
+        """Every committed block verified (`_verify`): damaged ones moved to damaged/, files
+        that are no block of a job left where they are; each with one warning line."""
+        for name in sorted(os.listdir(self.blocks)):
+            if not BLOCK_NAME.fullmatch(name):
+                warn(f"{os.path.join(self.blocks, name)} is not a block of this job; ignored")
+        good = []
+        for w, b, n in self._names():
+            why = self._verify(w, b, n)
+            if why is None:
+                good.append((w, b, n))
+                continue
+            os.makedirs(os.path.join(self.folder, DAMAGED), exist_ok=True)
+            path, aside = self._path(w, b, n), self._aside(os.path.basename(self._path(w, b, n)))
+            os.replace(path, aside)
+            warn(f"{path} is damaged ({why}); moved to {aside}, its rows are generated again")
+        return good
+
+    def _verify(self, w: int, b: int, n: int) -> str | None:
+        """None for a sound block, else what is wrong with it."""
+        try:
+            with open(self._path(w, b, n), encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError) as e:           # ValueError: JSON and UTF-8 decoding
+            return f"unreadable: {type(e).__name__}"
+        if not isinstance(record, dict) or not isinstance(record.get("rows"), list):
+            return "not a block record"
+        if record.get("sha256") != block_digest(w, b, n, record["rows"]):
+            return "its SHA-256 does not match its rows"
+        return None
+
+    def _aside(self, name: str) -> str:
+        """A free name for `name` in damaged/ (a second damage of one block keeps the first)."""
+        path, k = os.path.join(self.folder, DAMAGED, name), 1
+        while os.path.exists(path):
+            path, k = os.path.join(self.folder, DAMAGED, f"{name}.{k}"), k + 1
+        return path
 
     def _take_lock(self):
         self._lock = open(os.path.join(self.folder, LOCK), "a+")
@@ -125,9 +240,9 @@ class JobState:
         """(window, block, blocks in window) of every committed block, sorted."""
         out = []
         for name in os.listdir(self.blocks):
-            if name.endswith(".json"):
-                w, b, _, n = name[:-len(".json")].split("-")
-                out.append((int(w), int(b), int(n)))
+            m = BLOCK_NAME.fullmatch(name)
+            if m:
+                out.append(tuple(int(x) for x in m.groups()))
         return sorted(out)
 
     def committed(self) -> dict[int, set[int]]:
@@ -149,6 +264,7 @@ class JobState:
 
     def commit(self, w: int, b: int, n: int, record: dict) -> float:
         """Make block b (of n) of window w durable -> seconds it took."""
+        record = {**record, "sha256": block_digest(w, b, n, record["rows"])}
         return write_atomic(self._path(w, b, n), json.dumps(record, ensure_ascii=False))
 
     def load(self, w: int, b: int, n: int) -> dict:
@@ -178,14 +294,27 @@ class JobState:
                 out.flush()
                 os.fsync(out.fileno())
             if totals["rows"] != rows:
-                raise RuntimeError(f"{self.folder}: {totals['rows']} rows committed, "
-                                   f"expected {rows}")
+                raise UserError(f"{self.folder}: {totals['rows']} rows committed, expected "
+                                f"{rows}; add --restart to generate the job again")
             os.replace(tmp, self.output)
         except OSError as e:
-            raise UserError(f"{self.output}: cannot write output ({e.strerror})") from None
+            raise disk_error(self.output, e, os.path.getsize(tmp) if os.path.exists(tmp)
+                             else 0) if e.errno in DISK_FULL else \
+                UserError(f"{self.output}: cannot write output ({e.strerror})") from None
+        finally:
+            _remove_quietly(tmp)                     # renamed already, or not to be kept
         return totals
 
     def remove(self):
+        """The job is done: the folder goes, except the blocks set aside as damaged, which
+        move beside the output (`out.jsonl.damaged/`) for the user to look at."""
+        damaged = os.path.join(self.folder, DAMAGED)
+        if os.path.isdir(damaged):
+            keep, k = self.output + ".damaged", 1
+            while os.path.exists(keep):
+                keep, k = f"{self.output}.damaged.{k}", k + 1
+            os.replace(damaged, keep)
+            warn(f"the damaged blocks set aside during this job are kept in {keep}")
         self.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
