@@ -478,3 +478,18 @@ def test_a_job_with_a_damaged_block_finishes_byte_identical(tmp_path, tiny_dir, 
     assert (tmp_path / "out.jsonl").read_bytes() == reference["greedy"]
     assert f"{blocks / first} is damaged" in proc.stderr
     assert (tmp_path / "out.jsonl.damaged" / first).exists()     # kept for the user, not lost
+
+
+def test_a_line_too_long_by_its_bytes_is_refused_without_tokenizing():
+    """A 50 MB line once tokenized for minutes before its length error."""
+    class Refuses:
+        max_token_bytes = 16
+
+        def encode(self, text, special=True):
+            raise AssertionError("tokenized")
+    p = inputs.Prompter(Refuses(), max_positions=2048, max_new_tokens=32)
+    row = inputs.Row(7, "big", {}, prompt="x" * (16 * 2048))     # at least 2048 tokens
+    with pytest.raises(inputs.RowError, match="32768 bytes .* exceeds the model's maximum"):
+        p.encode(row)
+    with pytest.raises(inputs.RowError, match="tokenized"):      # a line that may fit is
+        p.encode(inputs.Row(8, "small", {}, prompt="x" * 1000))  # tokenized as before

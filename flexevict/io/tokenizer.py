@@ -1,6 +1,7 @@
 """Tokenizers: `tokenizer.json` (HF folders), the GGUF's embedded BPE, or bytes for dummy weights."""
 from __future__ import annotations
 
+import functools
 import os
 
 from flexevict.errors import UserError
@@ -22,6 +23,14 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound of the text bytes one token stands for: a text of B bytes has at
+        least B / this many tokens (vocabulary strings in UTF-8 are at least as long as the
+        bytes they stand for: byte-level BPE spells each byte as one 1-2 byte character,
+        SentencePiece's word marker is 3 bytes for a space), plus one for a prepended BOS."""
+        return max(len(t.encode("utf-8")) for t in self.tok.get_vocab(with_added_tokens=True))
+
     def save(self, folder: str):
         self.tok.save(os.path.join(folder, "tokenizer.json"))
 
@@ -34,6 +43,8 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    max_token_bytes = 1
 
     def save(self, folder: str):
         pass

@@ -124,6 +124,12 @@ class Prompter:
 
     def encode(self, row: Row) -> list[int]:
         text = self.text(row)
+        fewest = len(text.encode("utf-8")) // self.tokenizer.max_token_bytes
+        if fewest + self.max_new - 1 > self.limit:     # too long by its size: no tokenizing
+            raise RowError(row.line, row.id, f"prompt of {len(text.encode('utf-8'))} bytes (at "
+                           f"least {fewest} tokens) + {self.max_new} new tokens exceeds the "
+                           f"model's maximum of {self.limit} positions; shorten the prompt or "
+                           "--max-new-tokens")
         try:        # a template writes its own special tokens (HF's apply_chat_template too)
             ids = self.tokenizer.encode(text, special=self.template is None)
         except Exception as e:
