@@ -78,7 +78,7 @@ def add_placement_args(p: argparse.ArgumentParser, gpu_batch_size: int = 0):
                    help="six integers W_GPU W_CPU CACHE_GPU CACHE_CPU ACT_GPU ACT_CPU: weights, KV "
                         "cache and activations on GPU and CPU, in percent, the rest of each on "
                         "disk (default 100 0 100 0 100 0); or auto")
-    g.add_argument("--gpu-batch-size", type=_int_or_auto, default=gpu_batch_size,
+    g.add_argument("--gpu-batch-size", type=_int_or_auto, default=gpu_batch_size or None,
                    help=f"sequences per GPU batch, or auto (default {gpu_batch_size})"
                    if gpu_batch_size else "sequences per GPU batch, or auto (default: the batch "
                    "split over the GPU batches; auto when any placement flag is auto)")
@@ -155,7 +155,7 @@ def placement_from_args(args, config=None, lengths: tuple | None = None, device=
         placement = _resolve(args, config, lengths, device, dtype, max_batch)
     else:
         placement = Placement.from_percent(
-            [int(x) for x in args.percent], gpu_batch_size=args.gpu_batch_size,
+            [int(x) for x in args.percent], gpu_batch_size=_gpu_batch_size(args),
             num_gpu_batches=args.num_gpu_batches, overlap=args.overlap,
             sep_layer=args.sep_layer, pin_weight=args.pin_weight,
             cpu_cache_compute=args.cpu_cache_compute, compress_weight=args.compress_weight,
@@ -164,6 +164,15 @@ def placement_from_args(args, config=None, lengths: tuple | None = None, device=
     if placement.uses_disk:
         rundir.check_writable(placement.offload_dir)
     return placement
+
+
+def _gpu_batch_size(args) -> int:
+    """--gpu-batch-size as given (an explicit 0 or less is refused), 0 when unset."""
+    gbs = args.gpu_batch_size
+    if gbs is not None and gbs < 1:
+        raise UserError(f"--gpu-batch-size must be >= 1 (got {gbs}); leave it out for the "
+                        "default")
+    return gbs or 0
 
 
 def _check_percent(percent):

@@ -77,6 +77,10 @@ def batch_flags(args):
         print(f"note: --batch-size is deprecated; use --gpu-batch-size {args.batch_size}",
               file=sys.stderr)
         args.gpu_batch_size = args.batch_size
+    if args.gpu_batch_size is not None and args.gpu_batch_size != "auto" and \
+            args.gpu_batch_size < 1:
+        raise UserError(f"--gpu-batch-size must be >= 1 (got {args.gpu_batch_size}); leave it "
+                        f"out for the default ({DEFAULT_GPU_BATCH})")
     if not has_auto(args):             # with auto placement flags, the planner picks it
         args.gpu_batch_size = args.gpu_batch_size or DEFAULT_GPU_BATCH
 

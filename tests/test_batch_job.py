@@ -456,6 +456,12 @@ def test_flags_found_late_are_refused_before_the_model_loads(tmp_path, tiny_dir)
     proc = job(tmp_path, tiny_dir, "--budget", "0.5")             # the default policy is full
     assert_user_error(proc, "policy 'full' keeps every token")
     assert not (tmp_path / "out.jsonl.state").exists()
+    e = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "flexevict.generate", "--model", tiny_dir,
+                           "--input", str(tmp_path / "in.jsonl"), "--output",
+                           str(tmp_path / "out.jsonl"), "--gpu-batch-size", "0"],
+                          capture_output=True, text=True, env=e, timeout=300)
+    assert_user_error(proc, "--gpu-batch-size must be >= 1 (got 0)")
     proc = job(tmp_path, tiny_dir, out="in.jsonl")
     assert_user_error(proc, "is the input file itself")
     assert (tmp_path / "in.jsonl").read_text().count("\n") == 3  # untouched
