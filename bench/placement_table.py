@@ -95,6 +95,7 @@ def budget_rows() -> list[dict]:
     import torch
     from flexevict.planner import calibration, search as P
     from flexevict.api import resolve_model
+    from flexevict.core.config import DTYPES, default_dtype
     from flexevict.planner.costmodel import CostModel
     from flexevict.runtime.memory import GIB
     from flexevict.runtime.placement import Placement
@@ -109,7 +110,7 @@ def budget_rows() -> list[dict]:
     rows = []
     for model, prompt, gen, device, cal, limits, what in settings:
         config, _ = resolve_model(model, "_DUMMY_")
-        dtype = torch.float32 if device == "cpu" else torch.float16
+        dtype = DTYPES[default_dtype(device)]
         for pol in (("full", None), ("h2o", 0.2)):
             m = CostModel(config, cal, device, dtype, prompt, gen, PolicySpec.parse(*pol))
             fits = [g for g in P.GPU_BATCH_SIZES

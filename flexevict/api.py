@@ -12,7 +12,8 @@ import os
 
 import torch
 
-from flexevict.core.config import ModelConfig, registry_config, with_overrides
+from flexevict.core.config import (DTYPES, ModelConfig, default_dtype, registry_config,  # noqa: F401 - DTYPES: callers'
+                                   with_overrides)
 from flexevict.errors import UserError
 from flexevict.runtime.engine import Engine, resolved_layout
 from flexevict.runtime.generation import Sampling, generate, plan_batches, stream_nll
@@ -57,7 +58,6 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class LLM:
@@ -70,7 +70,7 @@ class LLM:
         self.config, self.path = resolve_model(model, path)
         self.device = resolve_device(device)
         if dtype is None:
-            dtype = "float32" if self.device.type == "cpu" else "float16"
+            dtype = default_dtype(self.device)
         if dtype not in DTYPES:
             raise UserError(f"unknown --dtype '{dtype}' ({', '.join(DTYPES)})")
         self.tokenizer = load_tokenizer(self.path)

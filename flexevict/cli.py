@@ -191,15 +191,15 @@ def _check_percent(percent):
 
 def _resolve(args, config, lengths, device, dtype, max_batch):
     """placement_from_args' auto path: fill in what the caller did not pass."""
-    from flexevict.api import DTYPES, resolve_device, resolve_model
+    from flexevict.api import resolve_device, resolve_model
+    from flexevict.core.config import DTYPES, default_dtype
     from flexevict.planner.search import Workload
     if config is None:
         config, _ = resolve_model(args.model, args.path)
     if device is None:
         device = resolve_device(getattr(args, "device", None))
     if dtype is None:
-        name = getattr(args, "dtype", None) or ("float32" if device.type == "cpu" else "float16")
-        dtype = DTYPES[name]
+        dtype = DTYPES[getattr(args, "dtype", None) or default_dtype(device)]
     if lengths is None:
         gen = max(getattr(args, "max_new_tokens", None) or 1, 1)
         lengths = (max(config.max_positions - gen + 1, 1), gen)

@@ -88,6 +88,7 @@ def batch_flags(args):
 def job_spec(args):
     """Every flag checked before anything is read -> the job's JobSpec."""
     from flexevict.api import DTYPES, resolve_device, resolve_model
+    from flexevict.core.config import default_dtype
     from flexevict.jobs import JobSpec
     if args.prompt is not None and not args.prompt.strip():
         raise UserError("--prompt is empty; give it some text")
@@ -115,7 +116,7 @@ def job_spec(args):
     if args.ray and args.device == "auto":
         raise UserError("with --ray give the workers' device: --device cpu or --device cuda")
     device = args.device if args.ray else str(resolve_device(args.device))
-    dtype = args.dtype or ("float32" if device == "cpu" else "float16")
+    dtype = args.dtype or default_dtype(device)
     if dtype not in DTYPES:
         raise UserError(f"unknown --dtype '{dtype}' ({', '.join(DTYPES)})")
     _, weights = resolve_model(args.model, args.path)

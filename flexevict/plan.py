@@ -41,14 +41,15 @@ def main(argv=None):
 
 
 def run(args) -> list[str]:
-    from flexevict.api import DTYPES, resolve_model
+    from flexevict.api import resolve_model
+    from flexevict.core.config import DTYPES, default_dtype
     from flexevict.cli import (cost_model_from_args, cpu_threads, limits_from_args, policy_spec,
                                request_from_args)
     if args.prompt_len < 1 or args.gen_len < 1:
         raise UserError("--prompt-len and --gen-len must be >= 1")
     config, _ = resolve_model(args.model, args.path)
     device = _plan_device(args.device)
-    dtype = DTYPES[args.dtype or ("float32" if device.type == "cpu" else "float16")]
+    dtype = DTYPES[args.dtype or default_dtype(device)]
     with cpu_threads(args.threads):
         work = S.Workload(config, args.prompt_len, args.gen_len, policy_spec(args), device,
                           dtype)

@@ -121,6 +121,7 @@ def test_weight_tiers_follow_flexgen_midpoint_rule():
 def test_batch_split():
     assert Placement(num_gpu_batches=3).batch_split(7) == [3, 3, 1]
     assert Placement(gpu_batch_size=2, num_gpu_batches=2).batch_split(3) == [2, 1]
+    assert Placement(num_gpu_batches=3).batch_rows(7) == [slice(0, 3), slice(3, 6), slice(6, 7)]
     with pytest.raises(UserError, match="exceed one block"):
         Placement(gpu_batch_size=2, num_gpu_batches=2).batch_split(5)
 

@@ -66,5 +66,4 @@ def engine_logits(model, prompts, feed, policy):
 
 
 def _rows(engine, prompts, k: int) -> slice:
-    sizes = engine.placement.batch_split(len(prompts))
-    return slice(sum(sizes[:k]), sum(sizes[:k + 1]))
+    return engine.placement.batch_rows(len(prompts))[k]

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from flexevict.core import kernels
-from flexevict.api import DTYPES, resolve_device, resolve_model
+from flexevict.api import resolve_device, resolve_model
+from flexevict.core.config import DTYPES, default_dtype
 from flexevict.cli import (add_placement_args, add_policy_args, add_threads_arg,
                            cost_model_from_args, cpu_threads, has_auto, placement_from_args,
                            policy_spec)
@@ -96,7 +97,7 @@ def run(args) -> dict:
         raise UserError("--prompt-len and --gen-len must be >= 1")
     config, path = resolve_model(args.model, args.path)
     device = resolve_device(args.device)
-    dtype = DTYPES[args.dtype or ("float32" if device.type == "cpu" else "float16")]
+    dtype = DTYPES[args.dtype or default_dtype(device)]
     limit = _set_gpu_limit(device, args.gpu_mem_limit)
     placement = placement_from_args(args, config, (args.prompt_len, args.gen_len), device, dtype)
     if placement.gpu_batch_size < 1:

@@ -10,7 +10,17 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from flexevict.errors import UserError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def default_dtype(device) -> str:
+    """The dtype a run computes in unless told: float32 on a CPU (fp16 matmuls there are slow
+    and lose precision), float16 on a GPU (FlexGen's and the papers' setting)."""
+    return "float32" if torch.device(device).type == "cpu" else "float16"
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

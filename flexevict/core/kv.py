@@ -224,9 +224,12 @@ class KVBuffer:
         self.move(self.cursor, victims)          # no-op on rows whose victim is the cursor
         self.move(self.scratch, self.cursor)
         self.valid[self.scratch] = False
-        self.cursor += 1
-        if self.cursor == self.capacity:
-            self.cursor = self.ring_start
+        self.advance_cursor()
+
+    def advance_cursor(self) -> None:
+        """The ring's next oldest slot, wrapping from the last committed slot to ring_start
+        (ring_commit here, and the commit kernels after theirs)."""
+        self.cursor = self.cursor + 1 if self.cursor + 1 < self.capacity else self.ring_start
 
 
 def left_aligned(valid: torch.Tensor) -> torch.Tensor:

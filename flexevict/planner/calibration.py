@@ -50,6 +50,7 @@ import time
 
 import torch
 
+from flexevict.core.config import DTYPES, default_dtype
 from flexevict.errors import UserError
 from flexevict.runtime.machine import device_name
 
@@ -175,9 +176,9 @@ def load(device: torch.device, threads: int | None = None, offload_dir: str | No
     with _threads(threads):
         cal = Calibration(measure_machine(device, offload_dir, quick, steps) | {"machine": key},
                           where, steps=steps)
-        cal.device(device, default_dtype(device))
+        cal.device(device, DTYPES[default_dtype(device)])
         if device.type == "cuda":        # attention where a CPU cache lives (--cpu-cache-compute)
-            cal.device(torch.device("cpu"), default_dtype(device))
+            cal.device(torch.device("cpu"), DTYPES[default_dtype(device)])
     cal.save()
     log(f"calibrated in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return cal
@@ -253,10 +254,6 @@ def read_file(path: str) -> Calibration:
         raise UserError(f"--calibration {path}: not a calibration of schema {SCHEMA}; write "
                         "one with python -m flexevict.calibrate --out FILE")
     return Calibration(data, path, measure_ok=False)
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if torch.device(device).type == "cpu" else torch.float16
 
 
 def dtype_name(dtype) -> str:

@@ -249,17 +249,15 @@ class Engine:
                       cache_tiers, policy, EvictionClock(self.tiers.compute, layout.evicts))
             if self._graphable(run, layout, steps):
                 run.graphs = self.Graphs(self.tiers.compute)
-            stats, emitted = self._run(run, (tokens, valid, pos), sizes, steps, consume, until,
-                                       limit)
+            stats, emitted = self._run(run, (tokens, valid, pos), steps, consume, until, limit)
         return RunResult(torch.stack(emitted, dim=1), layout, stats)
 
-    def _run(self, run: Run, padded, sizes, steps, consume, until, limit):
-        """run's body: padded = tokens, valid, pos (B, S) from left_pad; sizes: the GPU
-        batches; limit: positions wrap modulo it (None: they never need to). -> the stats and
-        each step's consumed tokens (B,)."""
+    def _run(self, run: Run, padded, steps, consume, until, limit):
+        """run's body: padded = tokens, valid, pos (B, S) from left_pad; limit: positions wrap
+        modulo it (None: they never need to). -> the stats and each step's consumed tokens
+        (B,)."""
         tokens, valid, pos = padded
-        starts = [sum(sizes[:k]) for k in range(len(sizes))]
-        batches = [slice(a, a + b) for a, b in zip(starts, sizes)]
+        batches = self.placement.batch_rows(tokens.shape[0])
         inputs = [self._step_input(pos[b], valid[b], limit) for b in batches]
         feed = [tokens[b] for b in batches]
         next_pos = valid.sum(dim=1)

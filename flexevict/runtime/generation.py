@@ -103,8 +103,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, policy,
     sampling.check()
     engine = as_engine(model)
     sample = Sampler(sampling, engine.tiers.compute, row_seeds)
-    sizes = engine.placement.batch_split(len(prompts))          # the engine's GPU batches
-    rows = [slice(sum(sizes[:k]), sum(sizes[:k + 1])) for k in range(len(sizes))]
+    rows = engine.placement.batch_rows(len(prompts))           # the engine's GPU batches
     stop = torch.tensor(sorted(stop_ids) or [-1], device=engine.tiers.compute)
     done = {}
 
@@ -151,8 +150,7 @@ def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None 
         raise UserError(f"--prefill-tokens must be >= 1 (got {p0})")
     engine = as_engine(model)
     target = torch.tensor(docs, dtype=torch.long, device=engine.tiers.compute)    # (B, N)
-    sizes = engine.placement.batch_split(len(docs))
-    rows = [slice(sum(sizes[:k]), sum(sizes[:k + 1])) for k in range(len(sizes))]
+    rows = engine.placement.batch_rows(len(docs))
     nll: dict = {}
 
     def consume(i, k, h, head):

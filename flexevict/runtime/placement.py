@@ -91,6 +91,14 @@ class Placement:
         gbs = gbs or -(-n // nb)
         return [min(gbs, n - a) for a in range(0, n, gbs)]
 
+    def batch_rows(self, n: int) -> list[slice]:
+        """The rows of each GPU batch among n sequences (`batch_split`'s sizes, in order)."""
+        rows, at = [], 0
+        for size in self.batch_split(n):
+            rows.append(slice(at, at + size))
+            at += size
+        return rows
+
     def weight_tiers(self, sizes: list[int]) -> list[str]:
         """Tier of each of a layer's weight tensors, given their sizes in declaration order.
 

@@ -63,11 +63,6 @@ def _buffer_module(buf):
     return ext.module_for(buf.k) if isinstance(buf.k, torch.Tensor) else None
 
 
-def _advance_cursor(buf) -> None:
-    """The ring's next oldest slot (what KVBuffer.ring_commit does after its moves)."""
-    buf.cursor = buf.cursor + 1 if buf.cursor + 1 < buf.capacity else buf.ring_start
-
-
 # ------------------------------------------------------------------------------ attention
 
 def decode_attention(q, k, v, valid, scale: float, score=None):
@@ -206,7 +201,7 @@ def evict_commit(buf, end: int, cursor: bool = True, value=None, commit: str = "
         buf.mark(victims)
     if commit == "ring":
         buf.mark(old_cursor)
-        _advance_cursor(buf)
+        buf.advance_cursor()
     return victims
 
 
@@ -223,7 +218,7 @@ def ring_commit(buf, victims) -> None:
                          ext.stream(buf.k))
     buf.mark(victims)
     buf.mark(cursor)
-    _advance_cursor(buf)
+    buf.advance_cursor()
 
 
 # ------------------------------------------------------------------------------ SimHash
