@@ -134,7 +134,7 @@ def run(args) -> dict:
                                args.ignore_max_positions)
         finally:
             engine.close()
-    result = _result(args, config, placement, plan, policy, timed, device, n, steps)
+    result = _result(args, plan, policy, timed, device, steps)
     result["kernel_build_s"] = build_s
     result["predicted"] = predicted
     return result
@@ -298,8 +298,10 @@ def project_decode(step_seconds: list[float], gen_len: int) -> tuple[float, bool
     return float(sum(decode)) + extra, True
 
 
-def _result(args, config, placement, plan, policy, timed, device, n, steps) -> dict:
+def _result(args, plan, policy, timed, device, steps) -> dict:
+    """The run's JSON: `plan` (MemoryPlan) holds the config, the placement and the batch n."""
     stats, layout = timed.run.stats, timed.run.layout
+    config, placement, n = plan.config, plan.placement, plan.n
     prefill = stats.step_seconds[0]
     decode, projected = project_decode(stats.step_seconds, args.gen_len)
     total = prefill + decode

@@ -59,8 +59,9 @@ def run_job(spec: JobSpec, restart: bool = False, ray: str | None = None,
                       f"{state.folder}; rerun the same command to continue", file=sys.stderr)
                 raise
         totals = state.assemble(found.rows)
-        summary = _summary(spec, paths, manifest, found, totals, commit, resumed,
-                           time.monotonic() - start, ray, workers)
+        this_run = {"resumed": resumed, "wall": time.monotonic() - start,
+                    "ray": None if ray is None else {"address": ray, "workers": workers}}
+        summary = _summary(spec, paths, manifest, found, totals, commit, this_run)
         write_atomic(paths["summary"], json.dumps(summary, indent=1) + "\n")
         state.remove()
     finally:
@@ -162,8 +163,11 @@ def _run_window(spec: JobSpec, w: int, win, prompter, done: set, commit: Committ
             commit(w, b, len(blocks), run_block(llm, spec, block))
 
 
-def _summary(spec, paths, manifest, found, totals, commit, resumed, wall, ray, workers) -> dict:
+def _summary(spec, paths, manifest, found, totals, commit, this_run: dict) -> dict:
+    """The job's summary; this_run: rows resumed, wall seconds and the Ray address and
+    workers (None without Ray)."""
     gen_s, times = totals["generate_seconds"], commit.seconds
+    resumed, wall = this_run["resumed"], this_run["wall"]
     return {
         "output": spec.output, "input": spec.input, "model": spec.model,
         "errors": paths["errors"] if found.failed else None,
@@ -182,7 +186,7 @@ def _summary(spec, paths, manifest, found, totals, commit, resumed, wall, ray, w
         "policy": {"name": spec.policy.name, "budget": spec.policy.budget,
                    "budget_tokens": spec.policy.budget_tokens, "args": dict(spec.policy.args)},
         "resolved": totals["resolved"], "placement": spec.placement.describe(),
-        "device": spec.device, "ray": None if ray is None else {"address": ray, "workers": workers},
+        "device": spec.device, "ray": this_run["ray"],
         "manifest": manifest,
     }
 
