@@ -64,9 +64,13 @@ def run_on_ray(spec, found, state, commit, address: str, workers: int):
 def _results(ray, spec, found, state, workers: int):
     """Yield (window, block, blocks in window, record) as the workers finish blocks."""
     import logging
+    import warnings
 
     from ray.data import DataContext
     logging.getLogger("ray.data").setLevel(logging.ERROR)    # its per-run INFO lines
+    # a job of fewer windows than workers gives the pool fewer inputs than actors at first
+    # (they still all run: each window becomes several blocks); not the user's concern
+    warnings.filterwarnings("ignore", message="The minimum number of concurrent actors")
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False                 # the driver shows the job's own progress
     done, complete = state.committed(), state.complete_windows()
