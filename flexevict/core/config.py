@@ -14,6 +14,7 @@ import torch
 
 from flexevict.errors import UserError
 
+ARCHS = ("opt", "llama")            # the model families the white-box model implements
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -27,7 +28,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                      # "opt" or "llama"
+    arch: str                      # one of ARCHS
     name: str
     vocab_size: int
     hidden_size: int

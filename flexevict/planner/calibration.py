@@ -50,7 +50,7 @@ import time
 
 import torch
 
-from flexevict.core.config import DTYPES, default_dtype
+from flexevict.core.config import ARCHS, DTYPES, default_dtype
 from flexevict.errors import UserError
 from flexevict.runtime.machine import device_name
 
@@ -459,10 +459,10 @@ def measure_device(device: torch.device, dtype: torch.dtype, quick: bool, step=_
         out.update(measure_attention(device, dtype, quick))
         step(f"per-layer overheads ({tag})")
         out["overhead"] = {arch: measure_overheads(arch, device, dtype, quick)
-                           for arch in ("opt", "llama")}
+                           for arch in ARCHS}
         step(f"a small model's steps ({tag})")
         out["probe"] = {arch: measure_probe(arch, device, dtype, quick)
-                        for arch in ("opt", "llama")}
+                        for arch in ARCHS}
         rounds.append(out)
     out = _median_of(rounds)
     if device.type == "cpu":      # on a GPU a model this small is launch-bound
@@ -470,7 +470,7 @@ def measure_device(device: torch.device, dtype: torch.dtype, quick: bool, step=_
         for r in range(n_probes):
             step(f"the engine on a small model ({device.type}, {r + 1}/{n_probes})")
             probes.append({arch: measure_engine_probe(arch, device, dtype, quick)
-                           for arch in ("opt", "llama")})
+                           for arch in ARCHS})
         out["engine_probe"] = _median_of(probes)
     return out
 
@@ -888,7 +888,7 @@ def synthetic(kind: str) -> dict:
            "mem_bw": s["mem"], "quant_bw": s["mem"] / 4, "dequant_bw": s["mem"] / 4,
            "attn_decode": {"fixed_s": 10e-6, "per_unit_s": 2 / s["mem"]},
            "sdpa_flops": s["gemm"] / 2, "scored_attn_flops": s["gemm"] / 4,
-           "overhead": {a: {"prefill": launch, "decode": launch} for a in ("opt", "llama")}}
+           "overhead": {a: {"prefill": launch, "decode": launch} for a in ARCHS}}
     cpu = {**gpu, "gemm_flops": s["cpu_gemm"], "gemv_bw": s["cpu_mem"] / 2,
            "mem_bw": s["cpu_mem"] / 2, "quant_bw": 5e9, "dequant_bw": 5e9,
            "attn_decode": {"fixed_s": 20e-6, "per_unit_s": 2 / (s["cpu_mem"] / 2)},
