@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from flexevict.core.config import (DTYPES, ModelConfig, default_dtype, registry_config,  # noqa: F401 - DTYPES: callers'
+from flexevict.core.config import (DTYPES, ModelConfig, default_dtype, registry_config,
                                    with_overrides)
 from flexevict.errors import UserError
 from flexevict.runtime.engine import Engine, resolved_layout

@@ -66,14 +66,15 @@ def main(argv=None):
             _write(args.out, data)
             print(f"wrote synthetic {args.synthetic} calibration to {args.out}")
             return
-        from flexevict.api import DTYPES, resolve_device
+        from flexevict.api import resolve_device
         from flexevict.cli import cpu_threads
+        from flexevict.core.config import DTYPES, default_dtype
         device = resolve_device(args.device)
         if args.threads is not None and args.threads < 1:
             raise UserError(f"--threads must be >= 1 (got {args.threads})")
         cal = C.load(device, args.threads, args.offload_dir, recalibrate=args.recalibrate,
                      quick=args.quick)
-        dtype = DTYPES[args.dtype] if args.dtype else C.default_dtype(device)
+        dtype = DTYPES[args.dtype or default_dtype(device)]
         with cpu_threads(args.threads):
             print(summary(cal, device, dtype))
         if args.out:

@@ -87,8 +87,8 @@ def batch_flags(args):
 
 def job_spec(args):
     """Every flag checked before anything is read -> the job's JobSpec."""
-    from flexevict.api import DTYPES, resolve_device, resolve_model
-    from flexevict.core.config import default_dtype
+    from flexevict.api import resolve_device, resolve_model
+    from flexevict.core.config import DTYPES, default_dtype
     from flexevict.jobs import JobSpec
     if args.prompt is not None and not args.prompt.strip():
         raise UserError("--prompt is empty; give it some text")

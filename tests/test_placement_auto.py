@@ -405,3 +405,15 @@ def test_calibration_prints_every_step(monkeypatch, tmp_path):
         assert [re.match(r"calibrating: step (\d+)/(\d+): \S.* \(\d+ s elapsed\)$", ln).groups()
                 for ln in steps] == [(str(i), str(n)) for i in range(1, n + 1)]
         lines.clear()
+
+
+def test_calibrate_summarises_in_the_devices_default_dtype(monkeypatch, capsys):
+    """Without --dtype, `python -m flexevict.calibrate` prints the rates of the dtype a run
+    would use there (core.config.default_dtype), as a torch dtype."""
+    import flexevict.calibrate as cmd
+    seen = []
+    real = cmd.summary
+    monkeypatch.setattr(cmd, "summary", lambda cal, device, dtype: seen.append(dtype) or
+                        real(cal, device, dtype))
+    cmd.main(["--device", "cpu"])
+    assert seen == [torch.float32] and "cpu float32:" in capsys.readouterr().out
