@@ -166,13 +166,18 @@ def placement_from_args(args, config=None, lengths: tuple | None = None, device=
     return placement
 
 
-def _gpu_batch_size(args) -> int:
-    """--gpu-batch-size as given (an explicit 0 or less is refused), 0 when unset."""
+def check_gpu_batch_size(args) -> None:
+    """An explicit --gpu-batch-size below 1 is refused (unset is None, auto is the planner's)."""
     gbs = args.gpu_batch_size
-    if gbs is not None and gbs < 1:
+    if gbs is not None and gbs != AUTO and gbs < 1:
         raise UserError(f"--gpu-batch-size must be >= 1 (got {gbs}); leave it out for the "
                         "default")
-    return gbs or 0
+
+
+def _gpu_batch_size(args) -> int:
+    """--gpu-batch-size as given, 0 when unset."""
+    check_gpu_batch_size(args)
+    return args.gpu_batch_size or 0
 
 
 def _check_percent(percent):
@@ -240,7 +245,8 @@ def limits_from_args(args, device, calibration=None):
     """Limits from --gpu-mem-limit and --cpu-mem-limit (GiB; default: the machine's, or the
     calibrated machine's when planning for another) and the disk under --offload-dir."""
     from flexevict.planner.search import limits_for
-    gib = lambda gb: None if gb is None else int(gb * 2**30)  # noqa: E731
+    from flexevict.runtime.memory import GIB
+    gib = lambda gb: None if gb is None else int(gb * GIB)  # noqa: E731
     return limits_for(device, args.offload_dir, gib(getattr(args, "gpu_mem_limit", None)),
                       gib(getattr(args, "cpu_mem_limit", None)), calibration)
 

@@ -16,8 +16,8 @@ import dataclasses
 import os
 import sys
 
-from flexevict.cli import (add_model_args, cpu_threads, has_auto, placement_from_args, policy_spec,
-                  print_resolved)
+from flexevict.cli import (add_model_args, check_gpu_batch_size, cpu_threads, has_auto,
+                           placement_from_args, policy_spec, print_resolved)
 from flexevict.errors import UserError, cli_errors
 from flexevict.runtime.generation import Sampling
 
@@ -77,10 +77,7 @@ def batch_flags(args):
         print(f"note: --batch-size is deprecated; use --gpu-batch-size {args.batch_size}",
               file=sys.stderr)
         args.gpu_batch_size = args.batch_size
-    if args.gpu_batch_size is not None and args.gpu_batch_size != "auto" and \
-            args.gpu_batch_size < 1:
-        raise UserError(f"--gpu-batch-size must be >= 1 (got {args.gpu_batch_size}); leave it "
-                        f"out for the default ({DEFAULT_GPU_BATCH})")
+    check_gpu_batch_size(args)
     if not has_auto(args):             # with auto placement flags, the planner picks it
         args.gpu_batch_size = args.gpu_batch_size or DEFAULT_GPU_BATCH
 

@@ -48,6 +48,13 @@ RUNS = {"greedy": [], "h2o": ["--policy", "h2o", "--budget", "0.5"],
         "sampled": ["--temperature", "1.5", "--seed", "4"]}
 
 
+def killed_after_commit(tmp_path, model, k: int):
+    """The 40 rows' job, killed (-9) right after its k-th block commit."""
+    write_rows(tmp_path / "in.jsonl", ROWS)
+    proc = job(tmp_path, model, env={"FLEXEVICT_JOB_TEST_SIGNAL": f"KILL:after-commit:{k}"})
+    assert proc.returncode == -9, proc.stderr
+
+
 def committed_blocks(out):
     folder = str(out) + ".state/blocks"
     return sorted(n for n in os.listdir(folder) if n.endswith(".json"))
@@ -131,9 +138,7 @@ def test_row_seeded_sampling_is_batch_invariant():
 @pytest.mark.slow
 def test_changed_settings_or_input_are_refused_then_restart(tmp_path, tiny_dir,  # noqa: F811
                                                             reference):
-    write_rows(tmp_path / "in.jsonl", ROWS)
-    proc = job(tmp_path, tiny_dir, env={"FLEXEVICT_JOB_TEST_SIGNAL": "KILL:after-commit:2"})
-    assert proc.returncode == -9
+    killed_after_commit(tmp_path, tiny_dir, 2)
     proc = job(tmp_path, tiny_dir, "--policy", "h2o", "--budget", "0.5")
     assert_user_error(proc, "--policy full -> h2o", "--budget unset -> 0.5", "--restart")
     proc = job(tmp_path, tiny_dir, "--gpu-batch-size", "4")
@@ -456,11 +461,7 @@ def test_flags_found_late_are_refused_before_the_model_loads(tmp_path, tiny_dir)
     proc = job(tmp_path, tiny_dir, "--budget", "0.5")             # the default policy is full
     assert_user_error(proc, "policy 'full' keeps every token")
     assert not (tmp_path / "out.jsonl.state").exists()
-    e = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "flexevict.generate", "--model", tiny_dir,
-                           "--input", str(tmp_path / "in.jsonl"), "--output",
-                           str(tmp_path / "out.jsonl"), "--gpu-batch-size", "0"],
-                          capture_output=True, text=True, env=e, timeout=300)
+    proc = job(tmp_path, tiny_dir, "--gpu-batch-size", "0")       # after BLOCKS' 3: it wins
     assert_user_error(proc, "--gpu-batch-size must be >= 1 (got 0)")
     proc = job(tmp_path, tiny_dir, out="in.jsonl")
     assert_user_error(proc, "is the input file itself")
@@ -470,9 +471,7 @@ def test_flags_found_late_are_refused_before_the_model_loads(tmp_path, tiny_dir)
 @pytest.mark.slow
 def test_a_job_with_a_damaged_block_finishes_byte_identical(tmp_path, tiny_dir,  # noqa: F811
                                                            reference):
-    write_rows(tmp_path / "in.jsonl", ROWS)
-    proc = job(tmp_path, tiny_dir, env={"FLEXEVICT_JOB_TEST_SIGNAL": "KILL:after-commit:3"})
-    assert proc.returncode == -9
+    killed_after_commit(tmp_path, tiny_dir, 3)
     blocks = tmp_path / "out.jsonl.state" / "blocks"
     first = sorted(os.listdir(blocks))[0]
     record = json.loads((blocks / first).read_text())

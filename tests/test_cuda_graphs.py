@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from tiny import CONFIGS, model_for, rand_prompts
+from tiny import CONFIGS, greedy, model_for, rand_prompts
 
 from flexevict.core.kv import Field
 from flexevict.io.weights import DummyWeights
@@ -82,10 +82,6 @@ def short_runs(monkeypatch):
 @pytest.fixture
 def rerun(monkeypatch, short_runs):
     monkeypatch.setattr(Engine, "Graphs", RerunGraphs)
-
-
-def greedy(i, k, h, head):
-    return head(h[:, -1] if h.dim() == 3 else h).argmax(-1)
 
 
 def run(engine, prompts, steps, policy):

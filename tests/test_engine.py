@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from tiny import CONFIGS, model_for, rand_prompts
+from tiny import CONFIGS, greedy, model_for, rand_prompts
 
 from flexevict.runtime.engine import Engine
 from flexevict.errors import UserError
@@ -31,10 +31,6 @@ PLACEMENTS = {   # name: (percent, flags)
     "everything-offloaded-no-overlap": ((0, 50, 0, 0, 0, 100),
                                         {"num_gpu_batches": 2, "overlap": False}),
 }
-
-
-def GREEDY(i, k, h, head):
-    return head(h[:, -1] if h.dim() == 3 else h).argmax(-1)
 
 
 def engine(arch, percent=ALL_GPU, tmp=None, **flags) -> Engine:
@@ -89,7 +85,7 @@ def test_smaller_budget_moves_fewer_cache_bytes(tmp_path):
     prompts, moved = rand_prompts([64] * 4, seed=1), {}
     for name, budget in (("full", None), ("h2o", 0.5), ("h2o", 0.2)):
         e = engine("opt", (100, 0, 0, 100, 100, 0), tmp_path)
-        moved[budget] = e.run(prompts, 16, get_policy(name, budget=budget), GREEDY).stats.traffic
+        moved[budget] = e.run(prompts, 16, get_policy(name, budget=budget), greedy).stats.traffic
         e.close()
     loads = {b: t["cpu->gpu"] for b, t in moved.items()}
     assert loads[0.2] < loads[0.5] < loads[None]
@@ -179,11 +175,11 @@ def test_positions_wrap_only_when_asked():
     prompts = rand_prompts([500], seed=6)
     with pytest.raises(UserError, match="maximum of 512 positions"):
         generate(e, prompts, 20, get_policy("full"))
-    run = e.run(prompts, 20, get_policy("h2o", budget=0.2), GREEDY,   # bench's
+    run = e.run(prompts, 20, get_policy("h2o", budget=0.2), greedy,   # bench's
                 wrap_positions=True)                                  # --ignore-max-positions
     assert run.tokens.shape == (1, 20)
     with pytest.raises(UserError, match="maximum of 512 positions"):  # a flag of that run only
-        e.run(prompts, 20, get_policy("full"), GREEDY)
+        e.run(prompts, 20, get_policy("full"), greedy)
 
 
 @pytest.mark.slow
@@ -227,7 +223,6 @@ def test_eviction_time_counts_prefill_and_decode_apart(monkeypatch):
     prompts = rand_prompts([20, 17], seed=1)
     real = H2O.prefill
     monkeypatch.setattr(H2O, "prefill", lambda *a, **kw: (time.sleep(0.05), real(*a, **kw))[1])
-    greedy = lambda i, k, h, head: head(h[:, -1] if h.dim() == 3 else h).argmax(-1)  # noqa: E731
     stats = e.run(prompts, 6, get_policy("h2o", budget_tokens=8), greedy).stats
     layers = CONFIGS["llama-gqa"].num_layers
     assert stats.prefill_eviction_seconds >= 0.05 * layers

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny import CONFIGS, model_for, rand_prompts
+from tiny import CONFIGS, greedy, model_for, rand_prompts
 
 import flexevict.runtime.engine as engine_mod
 import flexevict.runtime.offload as offload
@@ -501,7 +501,6 @@ def test_timing_events_do_not_grow_with_steps(monkeypatch, tmp_path):
     e = _engine("llama-gqa", (100, 0, 100, 0, 100, 0), tmp_path, "cuda",
                 cuda_graphs=False)                   # graphed steps run the hooks untimed
     try:
-        greedy = lambda i, k, h, head: head(h[:, -1] if h.dim() == 3 else h).argmax(-1)  # noqa: E731
         run = e.run(rand_prompts([20, 17], seed=1), 16, get_policy("h2o", budget=0.5), greedy)
         assert run.stats.eviction_seconds > 0
     finally:

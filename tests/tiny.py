@@ -28,6 +28,11 @@ def rand_prompts(lengths, seed, vocab=128):
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def greedy(i, k, h, head):
+    """The plainest `Consumer`: each step's greedy tokens (the last position at the prefill)."""
+    return head(h[:, -1] if h.dim() == 3 else h).argmax(-1)
+
+
 def kept(buf, row=0):
     """Sorted positions of the committed tokens of one buffer row."""
     return sorted(buf.pos[:buf.capacity, row][buf.valid[:buf.capacity, row]].tolist())

@@ -124,9 +124,10 @@ class Prompter:
 
     def encode(self, row: Row) -> list[int]:
         text = self.text(row)
-        fewest = len(text.encode("utf-8")) // self.tokenizer.max_token_bytes
+        nbytes = len(text.encode("utf-8"))
+        fewest = nbytes // self.tokenizer.max_token_bytes
         if fewest + self.max_new - 1 > self.limit:     # too long by its size: no tokenizing
-            raise RowError(row.line, row.id, f"prompt of {len(text.encode('utf-8'))} bytes (at "
+            raise RowError(row.line, row.id, f"prompt of {nbytes} bytes (at "
                            f"least {fewest} tokens) + {self.max_new} new tokens exceeds the "
                            f"model's maximum of {self.limit} positions; shorten the prompt or "
                            "--max-new-tokens")

@@ -87,6 +87,14 @@ def _remove_quietly(path: str):
         pass
 
 
+def free_path(path: str) -> str:
+    """path, or the first of path.1, path.2, ... that does not exist (nothing is overwritten)."""
+    k, free = 1, path
+    while os.path.exists(free):
+        free, k = f"{path}.{k}", k + 1
+    return free
+
+
 def block_digest(w: int, b: int, n: int, rows: list) -> str:
     """SHA-256 of a block's place (window, block, blocks in the window) and rows: a block that
     is torn, edited, short or renamed fails it."""
@@ -141,7 +149,7 @@ class JobState:
             self._refuse_changes(old, manifest)
         elif old != manifest:            # nothing committed yet: the new settings simply win
             write_atomic(os.path.join(self.folder, MANIFEST), json.dumps(manifest, indent=1))
-        return sum(len(self.load(w, b, n)["rows"]) for w, b, n in self._checked_blocks())
+        return self._check_blocks()
 
     def _clear(self):
         """--restart: everything in the folder but the lock (held by this run)."""
@@ -168,43 +176,38 @@ class JobState:
             raise UserError(f"{path} is unreadable ({type(e).__name__}); {ways}") from None
         return old
 
-    def _checked_blocks(self) -> list[tuple[int, int, int]]:
+    def _check_blocks(self) -> int:
         """Every committed block verified (`_verify`): damaged ones moved to damaged/, files
-        that are no block of a job left where they are; each with one warning line."""
+        that are no block of a job left where they are, each with one warning line -> the
+        rows of the sound blocks."""
         for name in sorted(os.listdir(self.blocks)):
             if not BLOCK_NAME.fullmatch(name):
                 warn(f"{os.path.join(self.blocks, name)} is not a block of this job; ignored")
-        good = []
+        rows = 0
         for w, b, n in self._names():
-            why = self._verify(w, b, n)
+            record, why = self._verify(w, b, n)
             if why is None:
-                good.append((w, b, n))
+                rows += len(record["rows"])
                 continue
             os.makedirs(os.path.join(self.folder, DAMAGED), exist_ok=True)
-            path, aside = self._path(w, b, n), self._aside(os.path.basename(self._path(w, b, n)))
+            path = self._path(w, b, n)
+            aside = free_path(os.path.join(self.folder, DAMAGED, os.path.basename(path)))
             os.replace(path, aside)
             warn(f"{path} is damaged ({why}); moved to {aside}, its rows are generated again")
-        return good
+        return rows
 
-    def _verify(self, w: int, b: int, n: int) -> str | None:
-        """None for a sound block, else what is wrong with it."""
+    def _verify(self, w: int, b: int, n: int) -> tuple[dict | None, str | None]:
+        """-> (the block's record, None) for a sound block, else (None, what is wrong)."""
         try:
             with open(self._path(w, b, n), encoding="utf-8") as f:
                 record = json.load(f)
         except (OSError, ValueError) as e:           # ValueError: JSON and UTF-8 decoding
-            return f"unreadable: {type(e).__name__}"
+            return None, f"unreadable: {type(e).__name__}"
         if not isinstance(record, dict) or not isinstance(record.get("rows"), list):
-            return "not a block record"
+            return None, "not a block record"
         if record.get("sha256") != block_digest(w, b, n, record["rows"]):
-            return "its SHA-256 does not match its rows"
-        return None
-
-    def _aside(self, name: str) -> str:
-        """A free name for `name` in damaged/ (a second damage of one block keeps the first)."""
-        path, k = os.path.join(self.folder, DAMAGED, name), 1
-        while os.path.exists(path):
-            path, k = os.path.join(self.folder, DAMAGED, f"{name}.{k}"), k + 1
-        return path
+            return None, "its SHA-256 does not match its rows"
+        return record, None
 
     def _take_lock(self):
         self._lock = open(os.path.join(self.folder, LOCK), "a+")
@@ -310,9 +313,7 @@ class JobState:
         move beside the output (`out.jsonl.damaged/`) for the user to look at."""
         damaged = os.path.join(self.folder, DAMAGED)
         if os.path.isdir(damaged):
-            keep, k = self.output + ".damaged", 1
-            while os.path.exists(keep):
-                keep, k = f"{self.output}.damaged.{k}", k + 1
+            keep = free_path(self.output + ".damaged")
             os.replace(damaged, keep)
             warn(f"the damaged blocks set aside during this job are kept in {keep}")
         self.close()

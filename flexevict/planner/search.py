@@ -387,7 +387,8 @@ def header(model: CostModel, limits: Limits) -> str:
             f"{cal.data['machine']['device']}{tag}")
 
 
-def infeasible_line(model: CostModel, request: PlacementRequest, limits: Limits, err: Infeasible) -> str:
+def infeasible_line(model: CostModel, request: PlacementRequest, limits: Limits,
+                    err: Infeasible) -> str:
     """One line: the binding resource, and the smallest change that fits (one flag set free,
     else every flag, else the limit it would take)."""
     flag = {"GPU": "--gpu-mem-limit", "CPU": "--cpu-mem-limit", "disk": "free disk under "
@@ -437,14 +438,12 @@ def limits_for(device, offload_dir: str, gpu_bytes: int | None = None,
     machine (a calibration made elsewhere, or synthetic), the defaults are that machine's."""
     device = torch.device(device)
     elsewhere = calibration is not None and _elsewhere(calibration, device)
-    gpu = gpu_bytes
+    gpu = gpu_bytes if device.type == "cuda" else None       # a CPU run has no GPU limit
     if device.type == "cuda" and gpu is None:
         if elsewhere and calibration.data.get("gpu_memory_gb"):
             gpu = int(calibration.data["gpu_memory_gb"] * GIB)
         elif torch.cuda.is_available():
             gpu = torch.cuda.get_device_properties(device).total_memory
-    elif device.type != "cuda":
-        gpu = None
     baseline = process_anon() + BASELINE_MARGIN
     cpu = cpu_bytes
     if cpu is None:
