@@ -39,6 +39,7 @@ import torch
 from flexevict.errors import UserError
 
 from flexevict.policies.registry import register
+from flexevict.core import kernels
 from flexevict.core.kv import Field
 from flexevict.policies.base import RingPolicy, kv_head_probs
 
@@ -81,7 +82,7 @@ class Scissorhands(RingPolicy):
     # ------------------------------------------------------------------ importance (subclass hooks)
     def importance(self, buf, slots: torch.Tensor) -> torch.Tensor:
         """(len(slots), rows) importance of the tokens in `slots`; higher is kept."""
-        return buf.score[slots]
+        return kernels.at_slots(buf.score, slots)
 
     def victim_candidates(self, buf):
         # the lowest importance (buf.score) among the kept tokens and the oldest recent goes

@@ -46,7 +46,7 @@ import torch
 
 from flexevict.errors import UserError
 
-from flexevict.core.kernels import candidate_slots
+from flexevict.core.kernels import at_slots, candidate_slots
 
 from flexevict.policies.registry import register
 from flexevict.policies.base import Policy
@@ -149,13 +149,13 @@ class ValueAware:
 
     def base_score(self, buf, slots) -> torch.Tensor:
         """The base policy's S_k of `slots` (n, rows), >= 0, higher = keep."""
-        return buf.score[slots]
+        return at_slots(buf.score, slots)
 
     def victim_candidates(self, buf):
         slots = candidate_slots(buf, buf.ring_start, True)
-        weight = None if self.norm == "none" else buf.state[slots]
+        weight = None if self.norm == "none" else at_slots(buf.state, slots)
         imp = self.weighted(buf.layout, self.base_score(buf, slots), weight,
-                            buf.pos[slots], buf.valid[slots])
+                            at_slots(buf.pos, slots), at_slots(buf.valid, slots))
         return buf.ring_start, True, imp
 
 

@@ -17,9 +17,9 @@ import torch
 from flexevict.core.kernels import ext, reference
 from flexevict.core.kernels.ext import backend
 from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
-from flexevict.core.kernels.reference import (WORD_BITS, SubCaches, accumulate_scores, buzz_select,
-                                              candidate_slots, compaction, hamming, kv_head_probs,
-                                              lowest, popcount, reduce_heads)
+from flexevict.core.kernels.reference import (WORD_BITS, SubCaches, accumulate_scores, at_slots,
+                                              buzz_select, candidate_slots, compaction, hamming,
+                                              kv_head_probs, lowest, popcount, reduce_heads)
 
 __all__ = [  # the dispatch functions (kernel or reference) ...
            "backend", "decode_attention", "prefill_attention", "prefill_attention_scores",
@@ -27,7 +27,8 @@ __all__ = [  # the dispatch functions (kernel or reference) ...
            "hash_codes", "hash_victims", "compact_prompt", "buzz_pass", "cascade_update",
            "quantize_4bit", "dequantize_4bit", "Packed4bit",
            # ... and reference helpers the policies share (no kernel of their own)
-           "WORD_BITS", "SubCaches", "accumulate_scores", "buzz_select", "candidate_slots", "compaction",
+           "WORD_BITS", "SubCaches", "accumulate_scores", "at_slots", "buzz_select",
+           "candidate_slots", "compaction",
            "hamming", "kv_head_probs", "lowest", "popcount", "reduce_heads"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
