@@ -100,6 +100,10 @@ def add_placement_args(p: argparse.ArgumentParser, gpu_batch_size: int = 0):
                        help=f"{what} (alone: on; or true, false, auto; default off)")
     g.add_argument("--offload-dir", default=DEFAULT_OFFLOAD_DIR,
                    help="directory for disk-resident weights and cache")
+    g.add_argument("--no-weight-cache", dest="weight_cache", action="store_false",
+                   help="do not keep disk-resident dummy weights for the next run (default: "
+                        "kept in OFFLOAD_DIR/weights/, capped by FLEXEVICT_WEIGHT_CACHE_GIB, "
+                        "default 100)")
     g.add_argument("--gpu-mem-limit", type=float, default=None, metavar="GB",
                    help="GPU memory the run may use, in GiB (bench caps the allocator at it, e.g. "
                         "16 for a T4's setting; auto plans within it; default: the GPU's)")
@@ -160,7 +164,8 @@ def placement_from_args(args, config=None, lengths: tuple | None = None, device=
             sep_layer=args.sep_layer, pin_weight=args.pin_weight,
             cpu_cache_compute=args.cpu_cache_compute, compress_weight=args.compress_weight,
             compress_cache=args.compress_cache, offload_dir=args.offload_dir)
-    placement = dataclasses.replace(placement, cuda_graphs=args.cuda_graphs)
+    placement = dataclasses.replace(placement, cuda_graphs=args.cuda_graphs,
+                                    weight_cache=args.weight_cache)
     if placement.uses_disk:
         rundir.check_writable(placement.offload_dir)
     return placement

@@ -26,29 +26,52 @@ from flexevict.core.kv import KVBuffer
 
 # ------------------------------------------------------------------------------------ weights
 
-def load_layer_weights(config: ModelConfig, source, j: int, device, dtype) -> dict:
-    """Layer j's weights with q/k/v (and LLaMA's gate/up) fused into one matrix each."""
+def load_layer_weights(config: ModelConfig, source, j: int, device, dtype, only=None) -> dict:
+    """Layer j's weights with q/k/v (and LLaMA's gate/up) fused into one matrix each; an absent
+    bias is None. only: the keys to read (the others are None); default all."""
+    weights = {}
+    for key, names in layer_recipe(config, j).items():
+        if names is None or (only is not None and key not in only):
+            weights[key] = None
+            continue
+        parts = [source.load(n, device=device, dtype=dtype) for n in names]
+        weights[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return weights
+
+
+def layer_recipe(config: ModelConfig, j: int) -> dict:
+    """How each of layer j's weights is made: key -> the HF tensors concatenated along dim 0
+    (q/k/v and gate/up fused), or None for an absent bias. Keys in the model's order; a fused
+    bias that the model lacks (bqkv, bgu) has no key at all."""
     names = config.layer_param_shapes(j)
-    raw = {n.split(f"layers.{j}.", 1)[1]: source.load(n, device=device, dtype=dtype) for n in names}
-    w = {}
-    attn = "self_attn."
-    w["wqkv"] = torch.cat([raw[attn + p + ".weight"] for p in ("q_proj", "k_proj", "v_proj")])
-    if attn + "q_proj.bias" in raw:
-        w["bqkv"] = torch.cat([raw[attn + p + ".bias"] for p in ("q_proj", "k_proj", "v_proj")])
+    prefix = next(iter(names)).split(f"layers.{j}.", 1)[0] + f"layers.{j}."
+
+    def parts(*suffixes):
+        found = [prefix + x for x in suffixes]
+        return found if all(n in names for n in found) else None
+
+    a = "self_attn."
+    r = {"wqkv": parts(*(a + p + ".weight" for p in ("q_proj", "k_proj", "v_proj")))}
+    bqkv = parts(*(a + p + ".bias" for p in ("q_proj", "k_proj", "v_proj")))
+    if bqkv:
+        r["bqkv"] = bqkv
     if config.arch == "opt":
-        w["wo"], w["bo"] = raw[attn + "out_proj.weight"], raw.get(attn + "out_proj.bias")
-        w["ln1_w"], w["ln1_b"] = raw["self_attn_layer_norm.weight"], raw["self_attn_layer_norm.bias"]
-        w["ln2_w"], w["ln2_b"] = raw["final_layer_norm.weight"], raw["final_layer_norm.bias"]
-        w["w1"], w["b1"] = raw["fc1.weight"], raw.get("fc1.bias")
-        w["w2"], w["b2"] = raw["fc2.weight"], raw.get("fc2.bias")
-    else:
-        w["wo"], w["bo"] = raw[attn + "o_proj.weight"], raw.get(attn + "o_proj.bias")
-        w["norm1"], w["norm2"] = raw["input_layernorm.weight"], raw["post_attention_layernorm.weight"]
-        w["wgu"] = torch.cat([raw["mlp.gate_proj.weight"], raw["mlp.up_proj.weight"]])
-        if "mlp.gate_proj.bias" in raw:
-            w["bgu"] = torch.cat([raw["mlp.gate_proj.bias"], raw["mlp.up_proj.bias"]])
-        w["wd"], w["bd"] = raw["mlp.down_proj.weight"], raw.get("mlp.down_proj.bias")
-    return w
+        r.update(wo=parts(a + "out_proj.weight"), bo=parts(a + "out_proj.bias"),
+                 ln1_w=parts("self_attn_layer_norm.weight"),
+                 ln1_b=parts("self_attn_layer_norm.bias"),
+                 ln2_w=parts("final_layer_norm.weight"), ln2_b=parts("final_layer_norm.bias"),
+                 w1=parts("fc1.weight"), b1=parts("fc1.bias"),
+                 w2=parts("fc2.weight"), b2=parts("fc2.bias"))
+        return r
+    r.update(wo=parts(a + "o_proj.weight"), bo=parts(a + "o_proj.bias"),
+             norm1=parts("input_layernorm.weight"),
+             norm2=parts("post_attention_layernorm.weight"),
+             wgu=parts("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+    bgu = parts("mlp.gate_proj.bias", "mlp.up_proj.bias")
+    if bgu:
+        r["bgu"] = bgu
+    r.update(wd=parts("mlp.down_proj.weight"), bd=parts("mlp.down_proj.bias"))
+    return r
 
 
 def load_outer_weights(config: ModelConfig, source, device, dtype) -> dict:

@@ -118,6 +118,13 @@ class DummyWeights:
         self.config, self.seed, self.generate_on = config, seed, generate_on
         self.shapes = config.param_shapes_cached()
 
+    @property
+    def cache_key(self) -> str:
+        """What decides every number (model shapes and seed): the weight cache's folder name
+        (runtime/weight_cache.py). The name alone is not enough: test configs share names."""
+        shapes = zlib.crc32(repr(sorted(self.shapes.items())).encode())
+        return f"{self.config.name}-{shapes:08x}-seed{self.seed}"
+
     def generating_on(self, device) -> "DummyWeights":
         """The same weights, made on `device` (fast: the compute device) and then moved to
         where each `load` asks for them."""
@@ -142,6 +149,17 @@ class DummyWeights:
 
     def close(self):
         pass
+
+
+class MetaWeights:
+    """Weights with shapes and no data (on the meta device): for rules that need only sizes,
+    like the placement's, run exactly as on real weights."""
+
+    def __init__(self, config: ModelConfig):
+        self.shapes = config.param_shapes_cached()
+
+    def load(self, name: str, device="meta", dtype=torch.float16) -> torch.Tensor:
+        return torch.empty(self.shapes[name], device="meta", dtype=dtype)
 
 
 def _file_keys(name: str) -> list[str]:

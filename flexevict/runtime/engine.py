@@ -16,6 +16,7 @@ copied in whole (it is budget-sized) and written back only where K/V changed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from flexevict.io.weights import MetaWeights
 from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
 from flexevict.errors import UserError
 from flexevict.core.kv import KVBuffer, Layout, zeros
@@ -32,6 +34,7 @@ from flexevict.policies import Policy
 from flexevict.runtime.graphs import CaptureFailed, DecodeGraphs
 from flexevict.runtime.offload import DONE, Lane, Tiers, Ticket, Traffic, load_into, store_into
 from flexevict.runtime.placement import DEFAULT_OFFLOAD_DIR, Placement
+from flexevict.runtime.weight_cache import WeightCache
 
 POOL = 3          # working buffers in flight: computing, being loaded, being stored
 ATTENTION_KEYS = ("wqkv", "bqkv", "wo", "bo", "ln1_w", "ln1_b", "norm1")
@@ -170,25 +173,33 @@ class Engine:
     def load(cls, config, source, placement: Placement, device, dtype, progress=None) -> "Engine":
         """Read every weight once from `source` and put it in its tier (FlexGen's
         init_weight_list); gpu-tier weights are prepared for compute (oneDNN-packed on CPU).
-        progress(nbytes): called once per layer read, with its weights' bytes."""
+        Disk-tier dummy weights are kept between runs (`weight_cache`): a kept one is mapped,
+        never made. progress(nbytes): called once per layer read, with its weights' bytes."""
         tiers = Tiers(torch.device(device), placement.offload_dir, placement.pin_weight)
         model = Transformer(config, [], {}, device=torch.device(device), dtype=dtype)
         pack = onednn_usable(device, dtype)
         staging = device if placement.w_gpu == 100 else "cpu"
+        kept = WeightCache.for_run(source, placement, dtype)
         if hasattr(source, "generating_on"):     # dummy weights: made on the compute device
             source = source.generating_on(device)   # (same numbers, much faster), then staged
         outer = load_outer_weights(config, source, staging, dtype)
+        stages = stages_for(config.num_layers, placement.sep_layer)
         homes = []
-        for s in stages_for(config.num_layers, placement.sep_layer):
+        for s in stages:
             if s.kind in ("block", "attn"):
-                layer = load_layer_weights(config, source, s.layer, staging, dtype)
+                layer, cached = _read_layer(config, source, s.layer, staging, dtype, placement,
+                                            kept, [t for t in stages if t.layer == s.layer])
                 if progress:
                     progress(sum(t.numel() * t.element_size() for t in layer.values()
                                  if t is not None))
             weights = split_weights(s, layer if s.layer >= 0 else {}, outer)
             tiers_of = placement.weight_tiers([0 if t is None else t.numel()
                                                for t in weights.values()])
-            homes.append({name: _place(tiers, tier, name, t, pack, placement)
+            place = functools.partial(_place, tiers, pack=pack, placement=placement)
+            if kept is not None and s.layer >= 0:
+                place = functools.partial(_place_kept, kept, s.layer, cached,
+                                          placement.compress_weight, place)
+            homes.append({name: place(tier, name, t)
                           for (name, t), tier in zip(weights.items(), tiers_of)})
         return cls(model, placement, homes, tiers)
 
@@ -560,6 +571,39 @@ def _place(tiers: Tiers, tier: str, name: str, t: torch.Tensor, pack: bool, plac
         t = t.to(tiers.compute)
         return Home(tier, PackedWeight(t) if pack and name in LINEAR_WEIGHTS else t)
     return Home(tier, tiers.put(tier, t))
+
+
+def _read_layer(config, source, j: int, device, dtype, placement, kept, stages):
+    """Layer j's weights, except those kept on disk (`kept`), which are not made: those are
+    their meta-device shapes. -> (weights, the keys found kept)."""
+    if kept is None:
+        return load_layer_weights(config, source, j, device, dtype), set()
+    meta = load_layer_weights(config, MetaWeights(config), j, "meta", dtype)
+    on_disk = set()
+    for s in stages:
+        weights = split_weights(s, meta, {})
+        tiers_of = placement.weight_tiers([0 if t is None else t.numel()
+                                           for t in weights.values()])
+        on_disk |= {k for k, tier in zip(weights, tiers_of) if tier == "disk"}
+    compress = placement.compress_weight
+    cached = {k for k in on_disk if meta[k] is not None
+              and kept.has(j, k, compress and meta[k].dim() == 2)}
+    made = load_layer_weights(config, source, j, device, dtype,
+                              only={k for k in meta if k not in cached})
+    return {k: meta[k] if k in cached else t for k, t in made.items()}, cached
+
+
+def _place_kept(kept: WeightCache, j: int, cached: set, compress_weight: bool, place,
+                tier: str, name: str, t) -> Home:
+    """`place` for layer j's weights, with the disk-tier ones kept between runs: mapped when
+    `cached`, else written to the cache (or placed as usual when the cap is full)."""
+    if tier != "disk" or t is None:
+        return place(tier, name, t)
+    compress = compress_weight and t.dim() == 2
+    if name in cached:
+        return Home("disk", kept.open(j, name, t, compress))
+    value = compressed(t, lambda x: x) if compress else t
+    return Home("disk", kept.store(j, name, value, lambda _: place(tier, name, t).data))
 
 
 def compressed(t: torch.Tensor, put) -> Packed4bit:

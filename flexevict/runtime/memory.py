@@ -15,6 +15,7 @@ from flexevict.runtime import rundir
 from flexevict.errors import UserError
 from flexevict.core.kernels.quant import GROUP
 from flexevict.core.model import load_layer_weights, load_outer_weights
+from flexevict.io.weights import MetaWeights
 from flexevict.runtime.offload import can_pin, host_bytes, park_bytes
 
 GIB = 1 << 30
@@ -29,22 +30,12 @@ class DoesNotFit(UserError):
         self.fits = fits
 
 
-class _MetaSource:
-    """Weights with shapes and no data: the placement rule runs on them exactly as on real ones."""
-
-    def __init__(self, config):
-        self.shapes = config.param_shapes_cached()
-
-    def load(self, name, device="meta", dtype=torch.float16):
-        return torch.empty(self.shapes[name], device="meta", dtype=dtype)
-
-
 def stage_weights(config, sep_layer: bool) -> list[list[tuple]]:
     """The weights each schedule layer reads, in declaration order (absent biases left out),
     computed once per config: [[(name, shape), ...] per stage of stages_for]."""
     key = ("stages", shape_key(config), sep_layer)
     if key not in _CACHE:
-        src = _MetaSource(config)
+        src = MetaWeights(config)
         outer = load_outer_weights(config, src, "meta", torch.float16)
         layer = load_layer_weights(config, src, 0, "meta", torch.float16)   # every layer alike
         _CACHE[key] = [

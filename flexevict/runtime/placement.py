@@ -34,6 +34,8 @@ class Placement:
     compress_cache: bool = False
     offload_dir: str = DEFAULT_OFFLOAD_DIR
     cuda_graphs: bool = True         # replay steady decode steps as CUDA graphs (graphs.py)
+    weight_cache: bool = True        # keep disk-tier dummy weights for the next run
+                                     # (weight_cache.py)
 
     @classmethod
     def from_percent(cls, percent, **flags) -> "Placement":
