@@ -376,14 +376,18 @@ def test_a_stray_file_is_ignored_with_a_warning(tmp_path, capsys):
     again.close()
 
 
-@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+@pytest.mark.parametrize("damage", ["deleted", "truncated", "edited"])
 def test_a_lost_manifest_with_blocks_is_one_clear_error(tmp_path, damage):
     s = state_with_blocks(tmp_path)
     path = os.path.join(s.folder, "manifest.json")
     if damage == "deleted":
         os.remove(path)
-    else:
+    elif damage == "truncated":
         open(path, "w").write(open(path).read()[:10])
+    else:               # settings edited to pass for another command's: blocks were not made so
+        edited = json.load(open(path))
+        edited["settings"]["--seed"] = 1
+        open(path, "w").write(json.dumps(edited))
     with pytest.raises(UserError, match="--restart to start over .* or put back the job's "
                                         "manifest.json"):
         reopen(tmp_path)

@@ -1,7 +1,8 @@
 """A job's durable state, next to its output: `out.jsonl.state/`.
 
     manifest.json     the input file's identity (size, SHA-256) and the settings the outputs
-                      depend on; a rerun with anything else is refused (or --restart)
+                      depend on, with the SHA-256 of both; a rerun with anything else is
+                      refused (or --restart), and so is an edited manifest
     lock              flock'ed while a run uses the folder (released by the kernel on kill -9);
                       --restart takes it before it clears anything
     blocks/W-B-of-N.json
@@ -33,7 +34,7 @@ import time
 from flexevict.errors import UserError
 
 MANIFEST, LOCK, BLOCKS, DAMAGED = "manifest.json", "lock", "blocks", "damaged"
-VERSION = 2                   # 2: blocks carry their SHA-256
+VERSION = 3                   # 2: blocks carry their SHA-256; 3: the manifest too
 BLOCK_NAME = re.compile(r"(\d+)-(\d+)-of-(\d+)\.json")
 # what a full or read-only disk raises: an error line, not a traceback
 DISK_FULL = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
@@ -95,6 +96,12 @@ def free_path(path: str) -> str:
     return free
 
 
+def manifest_digest(manifest: dict) -> str:
+    """SHA-256 of a manifest's content (its keys sorted), the `sha256` field aside."""
+    text = json.dumps(manifest, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def block_digest(w: int, b: int, n: int, rows: list) -> str:
     """SHA-256 of a block's place (window, block, blocks in the window) and rows: a block that
     is torn, edited, short or renamed fails it."""
@@ -148,7 +155,8 @@ class JobState:
         if old is not None and self._names():
             self._refuse_changes(old, manifest)
         elif old != manifest:            # nothing committed yet: the new settings simply win
-            write_atomic(os.path.join(self.folder, MANIFEST), json.dumps(manifest, indent=1))
+            write_atomic(os.path.join(self.folder, MANIFEST),
+                         json.dumps({**manifest, "sha256": manifest_digest(manifest)}, indent=1))
         return self._check_blocks()
 
     def _clear(self):
@@ -174,6 +182,10 @@ class JobState:
                 raise ValueError("not a manifest")
         except (OSError, ValueError) as e:
             raise UserError(f"{path} is unreadable ({type(e).__name__}); {ways}") from None
+        digest = old.pop("sha256", None)
+        older = digest is None and old.get("version", 0) < VERSION    # refused as a change
+        if not older and digest != manifest_digest(old):
+            raise UserError(f"{path} does not match its checksum (edited or damaged); {ways}")
         return old
 
     def _check_blocks(self) -> int:
