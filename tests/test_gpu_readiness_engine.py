@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny import CONFIGS, greedy, model_for, rand_prompts
+from tiny import CONFIGS, greedy, model_for, rand_prompts, roomy
 
 import flexevict.runtime.engine as engine_mod
 import flexevict.runtime.offload as offload
@@ -96,7 +96,7 @@ def test_evicting_policy_round_trips_through_a_cpu_home(name):
     engine asked for: the home holds exactly the state of a buffer that never moved (its
     declared policy state included), and stays on its device."""
     rows, d, prompt, steps = 3, 4, 24, 10
-    ref_policy, policy = (get_policy(name, budget_tokens=18) for _ in range(2))
+    ref_policy, policy = (get_policy(name, **roomy(name, budget_tokens=18)) for _ in range(2))
     ref_layout = ref_policy.layout(prompt, steps)
     layout = policy.layout(prompt, steps)
     assert ref_layout.evicts
@@ -116,6 +116,8 @@ def test_evicting_policy_round_trips_through_a_cpu_home(name):
         assert_homed(home, "cpu")
     mine = dict(owned_tensors(home))
     for field, value in owned_tensors(ref):
+        if field in ("k", "v"):      # an empty slot's K/V mean nothing (recall's dropped pages)
+            value, mine[field] = value[ref.valid], mine[field][ref.valid]
         assert torch.equal(mine[field], value), field
     assert (home.used, home.cursor, home.ring_start) == (ref.used, ref.cursor, ref.ring_start)
     hosts = lambda b: {n: v for n, v in b.policy_state.items() if not isinstance(v, torch.Tensor)}  # noqa: E731

@@ -23,6 +23,17 @@ def model_for(key: str) -> Transformer:
     return _MODELS[key]
 
 
+def roomy(name: str, budget_tokens: int | None = None, budget: float | None = None) -> dict:
+    """The budget arguments a generic test gives policy `name`: recall keeps one key summary
+    per page of the run in its budget (policies/recall.py), so the tiny runs' smallest
+    budgets get it a few more slots (30, or half the run)."""
+    if name == "recall":
+        budget_tokens = None if budget_tokens is None else max(budget_tokens, 30)
+        budget = None if budget is None else max(budget, 0.5)
+    return {k: v for k, v in (("budget_tokens", budget_tokens), ("budget", budget))
+            if v is not None}
+
+
 def rand_prompts(lengths, seed, vocab=128):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -60,19 +60,26 @@ class Layout:
 class Field:
     """One piece of per-buffer policy state.
 
-    A tensor: `shape` holds ints and the names "slots" (every slot, scratch included) and
-    "rows", `dtype` its type, zero-filled. A host value (`dtype` None): a Python value the
-    policy replaces (never mutates in place), starting as `init`."""
+    A tensor: `shape` holds ints and the names "slots" (every slot, scratch included), "rows"
+    and "d" (the head dim), `dtype` its type (KV: the K/V dtype), zero-filled. A host value (`dtype` None): a
+    Python value the policy replaces (never mutates in place), starting as `init`.
+    home: the tensor lives with the buffer's home in the cache tier and is never copied: a
+    working buffer on the compute device refers to its home's tensor (recall's history)."""
     name: str
     shape: tuple = ()
-    dtype: torch.dtype | None = None
+    dtype: torch.dtype | str | None = None
     init: object = None
+    home: bool = False
 
-    def allocate(self, slots: int, rows: int, device, alloc):
+    def allocate(self, sizes: dict, device, alloc, kv_dtype=None):
+        """sizes: the buffer's "slots", "rows" and "d"."""
         if self.dtype is None:
             return self.init
-        size = tuple(slots if x == "slots" else rows if x == "rows" else x for x in self.shape)
-        return alloc(size, self.dtype, device)
+        size = tuple(sizes.get(x, x) for x in self.shape)
+        return alloc(size, kv_dtype if self.dtype == KV else self.dtype, device)
+
+
+KV = "kv"               # a Field's dtype: the buffer's K/V dtype
 
 
 def zeros(shape, dtype, device) -> torch.Tensor:
@@ -109,7 +116,8 @@ class KVBuffer:
         self.rows_index = torch.arange(rows, device=self.valid.device)
         self.dirty: list | None = None   # K/V slots written since the last store (None: all)
         self.fields = fields
-        self.policy_state = {f.name: f.allocate(n, rows, device, alloc) for f in fields}
+        sizes = {"slots": n, "rows": rows, "d": head_dim}
+        self.policy_state = {f.name: f.allocate(sizes, device, alloc, dtype) for f in fields}
         self.constants = {} if constants is None else constants
 
     def constant(self, name: str, make):

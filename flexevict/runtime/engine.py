@@ -621,10 +621,14 @@ def _in_ram(shape, dtype, device=None) -> torch.Tensor:
 
 def _like(buf: KVBuffer, device) -> KVBuffer:
     """An empty working buffer with buf's shape and declared state on `device`, sharing its
-    constants."""
-    return KVBuffer(buf.layout, buf.valid.shape[1], buf.head_dim, buf.dtype, device,
-                    kv_heads=buf.kv_heads, layer=buf.layer, fields=buf.fields,
+    constants and the state that stays home (`Field.home`: referred to, never allocated)."""
+    travels = tuple(f for f in buf.fields if not f.home)
+    work = KVBuffer(buf.layout, buf.valid.shape[1], buf.head_dim, buf.dtype, device,
+                    kv_heads=buf.kv_heads, layer=buf.layer, fields=travels,
                     constants=buf.constants)
+    work.fields = buf.fields
+    work.policy_state.update({f.name: buf.policy_state[f.name] for f in buf.fields if f.home})
+    return work
 
 
 def _nbytes(x) -> int:

@@ -410,7 +410,7 @@ def load_into(work: KVBuffer, home: KVBuffer) -> int:
         getattr(work, name).copy_(value, non_blocking=True)
     for mine, value in zip(work.tensors()[2:], home.tensors()[2:]):
         mine.copy_(value, non_blocking=True)
-    state = _copy_state(work.policy_state, home.policy_state, non_blocking=True)
+    state = _copy_state(work.policy_state, home.policy_state, home.fields, non_blocking=True)
     for name in COUNTERS:
         setattr(work, name, getattr(home, name))
     work.layer, work.constants, work.dirty = home.layer, home.constants, []
@@ -424,7 +424,7 @@ def store_into(home: KVBuffer, work: KVBuffer) -> int:
     for mine, value in zip(home.tensors()[2:], work.tensors()[2:]):
         mine.copy_(value)
         moved += value.numel() * value.element_size()
-    moved += _copy_state(home.policy_state, work.policy_state)
+    moved += _copy_state(home.policy_state, work.policy_state, home.fields)
     for name in COUNTERS:
         setattr(home, name, getattr(work, name))
     for slots in ([slice(None)] if work.dirty is None else work.dirty):
@@ -438,12 +438,14 @@ def store_into(home: KVBuffer, work: KVBuffer) -> int:
     return moved
 
 
-def _copy_state(dst: dict, src: dict, non_blocking: bool = False) -> int:
+def _copy_state(dst: dict, src: dict, fields, non_blocking: bool = False) -> int:
     """Declared policy state src -> dst (same fields): tensors copied in place, host values
-    (immutable by contract) assigned. -> bytes copied."""
+    (immutable by contract) and tensors that stay home (`Field.home`) assigned. -> bytes
+    copied."""
     moved = 0
+    stays = {f.name for f in fields if f.home}
     for name, value in src.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and name not in stays:
             dst[name].copy_(value, non_blocking=non_blocking)
             moved += value.numel() * value.element_size()
         else:

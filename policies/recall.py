@@ -1,0 +1,251 @@
+"""`recall`: keep every token, attend to the pages each step needs.
+
+Eviction forgets for good; recall does not. Each layer's whole K/V history stays with the
+buffer's home in the cache tier (CPU memory or disk when the placement offloads the cache),
+appended every step; the fixed-budget buffer that attention reads holds the attention sinks,
+a window of the most recent tokens, and, for each decode step, the `pages` pages of `page`
+tokens whose estimated attention for the current query is highest, per kv head, gathered
+from the history before attention.
+
+The estimate is Quest's per-page upper bound (Tang et al. 2024, "Quest: Query-Aware Sparsity
+for Efficient Long-Context LLM Inference", Sec. 3): with the elementwise minimum m and maximum
+M of a page's keys, q.k <= sum_d max(q_d m_d, q_d M_d) for any key of the page. Summed over the
+query heads of a kv head it is q+.M + q-.m with q+ (q-) the sum of the heads' positive
+(negative) parts: two small batched products per step. The minima and maxima travel with the
+buffer and count against the budget: with K/V of 2 d values per token and two d-vectors per
+page, a page's summary costs one slot, so `slots = floor(budget (P + G)) - ceil((P + G) / page)`
+hold tokens.
+
+Layout of a row's committed slots: [0, sinks) the first tokens, [sinks, sinks + pages * page)
+the recalled pages (refilled every step, never stored back), then the window, a ring of the
+most recent tokens (every leftover slot). A token's history index is its position (real tokens
+counted from 0), so pages, sinks and window are per row and never depend on a batch-mate's
+padding. A recalled slot is valid only for tokens older than the window and past the sinks, so
+no token is attended twice. A budget that holds the whole sequence evicts nothing and runs
+exactly as `full`.
+
+Notes: policies/README.md#recall
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flexevict.core.kv import KV, Field, Layout, gather_prompt, left_aligned
+from flexevict.errors import UserError
+from flexevict.policies.base import Policy
+from flexevict.policies.registry import register
+
+
+AUTO_PAGES = (16, 8, 4, 2)
+
+
+@dataclass(frozen=True)
+class RecallLayout(Layout):
+    """A recall run's regions: `sinks` slots, `pages` recalled pages of `page` tokens, the
+    window ring (prefix = sinks + pages * page, ring = the rest), and `summaries`, the pages of
+    the whole run whose key minima and maxima are kept (their slots' worth of the budget)."""
+    sinks: int = 4
+    page: int = 16
+    pages: int = 0
+    summaries: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """History length per row: every prompt and generated token of the run."""
+        return self.prompt_len + self.gen_len
+
+    def describe(self) -> dict:
+        return {**super().describe(), "sinks": self.sinks, "page": self.page,
+                "pages_per_step": self.pages, "window": self.ring,
+                "summary_slots": self.summaries}
+
+
+@register
+@dataclass(frozen=True)
+class Recall(Policy):
+    page: int = 0                   # tokens per page; 0: 16 (Quest's), or 8, 4, 2 when the
+                                    # budget cannot hold a page of 16 (`pages_to_try`)
+    sinks: int = 4                  # first tokens always attended (StreamingLLM's sinks)
+    window: int = 64                # most recent tokens always attended (at least; at most a
+                                    # quarter of the slots past sinks and summaries)
+    name = "recall"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.page < 0 or self.sinks < 0 or self.window < 1:
+            raise UserError(f"--policy-arg page must be >= 0 (0: automatic), window >= 1 and "
+                            f"sinks >= 0 (got "
+                            f"page={self.page}, sinks={self.sinks}, window={self.window})")
+
+    def minimum_slots(self) -> int:
+        return self.sinks + min(self.pages_to_try()) + 3   # a page, a window slot, scratch
+
+    def pages_to_try(self) -> tuple[int, ...]:
+        """Page sizes in order of preference: the one asked for, or (page 0, the default)
+        16, then smaller ones for a budget that cannot hold a page of 16 besides the
+        summaries."""
+        return (self.page,) if self.page else AUTO_PAGES
+
+    def layout(self, prompt_len: int, gen_len: int) -> Layout:
+        total = prompt_len + gen_len
+        slots = self.slots_for(prompt_len, gen_len)
+        if slots >= total:                           # holds everything: exactly full
+            return RecallLayout(slots, False, prompt_len=prompt_len, gen_len=gen_len,
+                                sinks=self.sinks, page=self.pages_to_try()[0])
+        for page in self.pages_to_try():
+            summaries = math.ceil(total / page)
+            capacity = slots - summaries - 1
+            room = capacity - self.sinks             # pages and window share it
+            if room >= page + 1:
+                break
+        else:
+            need = summaries + self.sinks + page + 2
+            raise UserError(f"budget of {slots} slots leaves no page to recall: recall needs "
+                            f"at least {need} for {total} tokens ({summaries} hold the page "
+                            f"summaries); raise --budget")
+        window = max(1, min(self.window, room // 4))     # a small budget goes to pages first
+        pages = max(1, (room - window) // page)
+        prefix = self.sinks + pages * page
+        return RecallLayout(capacity + 1, True, prefix=prefix, ring=capacity - prefix,
+                            prompt_len=prompt_len, gen_len=gen_len, sinks=self.sinks,
+                            page=page, pages=pages, summaries=summaries)
+
+    def batch_key(self, prompt_len: int, gen_len: int) -> tuple:
+        # a row's pages, sinks and window follow its own positions; only the sizes depend on
+        # the run, and those follow the slot count
+        lay = self.layout(prompt_len, gen_len)
+        if not lay.evicts:
+            return super().batch_key(prompt_len, gen_len)
+        return ("recall", lay.sinks, lay.page, lay.pages, lay.ring)
+
+    def fields(self, layout):
+        if not layout.evicts:
+            return ()
+        t, summaries = layout.tokens, layout.summaries
+        return (Field("history_k", (t, "rows", "d"), KV, home=True),
+                Field("history_v", (t, "rows", "d"), KV, home=True),
+                Field("key_min", ("rows", "d", summaries), KV),
+                Field("key_max", ("rows", "d", summaries), KV))
+
+    # ------------------------------------------------------------------ hooks
+    def prefill(self, buf, k, v, pos, valid, scores=None):
+        """The whole prompt goes to the history (real tokens first, so index = position), its
+        pages are summarised, and the buffer gets the sinks and the window."""
+        lay = buf.layout
+        if not lay.evicts:
+            return buf.store_prompt(k, v, pos, valid)
+        s = k.shape[0]
+        k, v, pos, valid, _ = gather_prompt(left_aligned(valid), k, v, pos, valid)
+        state = buf.policy_state
+        state["history_k"][:s] = k
+        state["history_v"][:s] = v
+        self._summarise(buf, k, valid)
+        real = valid.sum(0)                                        # (rows,)
+        at = torch.arange(max(lay.sinks, lay.ring), device=k.device).unsqueeze(1)
+        sink = at[:lay.sinks].expand(-1, real.shape[0])
+        recent = real - lay.ring + at[:lay.ring]                   # the last `ring` tokens
+        keep = torch.cat([sink, recent]).clamp(0, s - 1)
+        ok = torch.cat([sink < real, recent >= lay.sinks])         # real, not a sink twice
+        kept_k, kept_v, kept_pos, _, _ = gather_prompt(keep, k, v, pos, valid)
+        window = slice(lay.prefix, lay.capacity)
+        for name, first, last in (("k", kept_k[:lay.sinks], kept_k[lay.sinks:]),
+                                  ("v", kept_v[:lay.sinks], kept_v[lay.sinks:]),
+                                  ("pos", kept_pos[:lay.sinks], kept_pos[lay.sinks:]),
+                                  ("valid", ok[:lay.sinks], ok[lay.sinks:])):
+            t = getattr(buf, name)
+            t[:lay.sinks], t[window] = first, last
+        buf.valid[lay.sinks:lay.prefix] = False
+        buf.score.zero_()
+        buf.state.zero_()
+        buf.used, buf.ring_start, buf.cursor = lay.capacity, lay.prefix, lay.prefix
+        buf.touch_all()
+
+    def _summarise(self, buf, k, valid) -> None:
+        """Key minima and maxima of the prompt's pages (padding excluded); later pages start
+        empty (+inf, -inf). k (S, rows, d) and valid (S, rows), real tokens first."""
+        page, s = buf.layout.page, k.shape[0]
+        n = -(-s // page)
+        inf = torch.tensor(float("inf"), dtype=k.dtype, device=k.device)
+        lo = F.pad(torch.where(valid.unsqueeze(-1), k, inf), (0, 0, 0, 0, 0, n * page - s),
+                   value=float("inf"))
+        hi = F.pad(torch.where(valid.unsqueeze(-1), k, -inf), (0, 0, 0, 0, 0, n * page - s),
+                   value=float("-inf"))
+        shape = (n, page, *k.shape[1:])
+        state = buf.policy_state
+        state["key_min"].fill_(float("inf"))
+        state["key_max"].fill_(float("-inf"))
+        state["key_min"][..., :n] = lo.view(shape).amin(1).permute(1, 2, 0)
+        state["key_max"][..., :n] = hi.view(shape).amax(1).permute(1, 2, 0)
+
+    def before_attention(self, buf, slot, q):
+        """Append the new token (in `slot`) to the history and its page's summary, then fill
+        the recalled region with the pages of highest bound for this query. q (rows, g, d)."""
+        lay = buf.layout
+        if not lay.evicts:
+            return
+        state, rows = buf.policy_state, buf.rows_index
+        at = buf.pos[slot].to(torch.int64)                          # its position, per row
+        key = buf.k[slot]
+        home = state["history_k"].device
+        place = (_on(at, home), _on(rows, home))
+        state["history_k"][place] = _on(key, home)
+        state["history_v"][place] = _on(buf.v[slot], home)
+        here = at // lay.page
+        for name, fold in (("key_min", torch.minimum), ("key_max", torch.maximum)):
+            summary = state[name]
+            summary[rows, :, here] = fold(summary[rows, :, here], key)
+        top = self._best_pages(buf, q, at)                          # (rows, pages)
+        self._recall(buf, top, at)
+
+    def _best_pages(self, buf, q, at):
+        """Per row, the `pages` candidate pages of highest bound q+.max + q-.min (summed over
+        the group); candidates hold a token past the sinks and older than the window. Stable
+        order: ties (and too few candidates) go to the lower page. -> (rows, pages) int64."""
+        lay = buf.layout
+        state = buf.policy_state
+        plus = q.clamp(min=0).sum(1, keepdim=True).to(state["key_max"].dtype)    # (rows, 1, d)
+        minus = q.clamp(max=0).sum(1, keepdim=True).to(state["key_min"].dtype)
+        bound = (torch.bmm(plus, state["key_max"]) + torch.bmm(minus, state["key_min"]))[:, 0]
+        first = torch.arange(lay.summaries, device=q.device) * lay.page          # (P,)
+        older = (first.unsqueeze(0) < (at - lay.ring).unsqueeze(1))               # (rows, P)
+        candidate = older & (first + lay.page > lay.sinks)
+        bound = torch.where(candidate, bound.float(), float("-inf"))
+        return torch.sort(bound, dim=1, descending=True, stable=True).indices[:, :lay.pages]
+
+    def _recall(self, buf, top, at) -> None:
+        """Gather the pages `top` (rows, pages) from the history into the recalled region;
+        a slot is valid for a token past the sinks and older than the window."""
+        lay = buf.layout
+        state = buf.policy_state
+        offsets = torch.arange(lay.page, device=top.device)
+        index = (top.t().unsqueeze(1) * lay.page + offsets.view(1, -1, 1)).flatten(0, 1)
+        region = slice(lay.sinks, lay.prefix)
+        where = _on(index.clamp(max=lay.tokens - 1), state["history_k"].device)
+        where = where.unsqueeze(-1).expand(-1, -1, buf.head_dim)
+        buf.k[region] = _on(state["history_k"].gather(0, where), buf.k.device)
+        buf.v[region] = _on(state["history_v"].gather(0, where), buf.v.device)
+        buf.pos[region] = index.to(torch.int32)
+        buf.valid[region] = (index >= lay.sinks) & (index < (at - lay.ring).unsqueeze(0))
+
+    def after_attention(self, buf, slot, probs, scored=False):
+        """The new token joins the window; the one it replaces stays in the history. The
+        recalled pages are dropped: they are never stored back (a cache home keeps the
+        region empty), the next step recalls its own."""
+        lay = buf.layout
+        if not lay.evicts:
+            return buf.commit_appended(slot)
+        buf.move(buf.scratch, buf.cursor)
+        buf.valid[buf.scratch] = False
+        buf.advance_cursor()
+        buf.valid[lay.sinks:lay.prefix] = False
+        buf.pos[lay.sinks:lay.prefix] = -1
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on `device`: itself when it is there. A history on the CPU read by a GPU step is a
+    copy each way (the positions down, the pages up)."""
+    return t if t.device == device else t.to(device)
