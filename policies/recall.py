@@ -58,6 +58,10 @@ class RecallLayout(Layout):
         """History length per row: every prompt and generated token of the run."""
         return self.prompt_len + self.gen_len
 
+    @property
+    def home_tokens(self) -> int:
+        return self.tokens if self.evicts else 0
+
     def describe(self) -> dict:
         return {**super().describe(), "sinks": self.sinks, "page": self.page,
                 "pages_per_step": self.pages, "window": self.ring,
@@ -126,10 +130,11 @@ class Recall(Policy):
         if not layout.evicts:
             return ()
         t, summaries = layout.tokens, layout.summaries
+        # a page's summary: its keys' elementwise maximum (first d) and minimum (last d), laid
+        # out for one batched product with [q+, q-] per step
         return (Field("history_k", (t, "rows", "d"), KV, home=True),
                 Field("history_v", (t, "rows", "d"), KV, home=True),
-                Field("key_min", ("rows", "d", summaries), KV),
-                Field("key_max", ("rows", "d", summaries), KV))
+                Field("summary", ("rows", 2, "d", summaries), KV))
 
     # ------------------------------------------------------------------ hooks
     def prefill(self, buf, k, v, pos, valid, scores=None):
@@ -165,21 +170,17 @@ class Recall(Policy):
         buf.touch_all()
 
     def _summarise(self, buf, k, valid) -> None:
-        """Key minima and maxima of the prompt's pages (padding excluded); later pages start
-        empty (+inf, -inf). k (S, rows, d) and valid (S, rows), real tokens first."""
+        """Key maxima and minima of the prompt's pages (padding excluded); later pages start
+        empty (-inf, +inf). k (S, rows, d) and valid (S, rows), real tokens first."""
         page, s = buf.layout.page, k.shape[0]
         n = -(-s // page)
-        inf = torch.tensor(float("inf"), dtype=k.dtype, device=k.device)
-        lo = F.pad(torch.where(valid.unsqueeze(-1), k, inf), (0, 0, 0, 0, 0, n * page - s),
-                   value=float("inf"))
-        hi = F.pad(torch.where(valid.unsqueeze(-1), k, -inf), (0, 0, 0, 0, 0, n * page - s),
-                   value=float("-inf"))
-        shape = (n, page, *k.shape[1:])
-        state = buf.policy_state
-        state["key_min"].fill_(float("inf"))
-        state["key_max"].fill_(float("-inf"))
-        state["key_min"][..., :n] = lo.view(shape).amin(1).permute(1, 2, 0)
-        state["key_max"][..., :n] = hi.view(shape).amax(1).permute(1, 2, 0)
+        summary = buf.policy_state["summary"]                      # (rows, 2, d, pages)
+        summary[:, 0].fill_(float("-inf"))
+        summary[:, 1].fill_(float("inf"))
+        for half, fill, fold in ((0, float("-inf"), torch.amax), (1, float("inf"), torch.amin)):
+            keys = F.pad(torch.where(valid.unsqueeze(-1), k, fill),
+                         (0, 0, 0, 0, 0, n * page - s), value=fill)
+            summary[:, half, :, :n] = fold(keys.view(n, page, *k.shape[1:]), 1).permute(1, 2, 0)
 
     def before_attention(self, buf, slot, q):
         """Append the new token (in `slot`) to the history and its page's summary, then fill
@@ -194,41 +195,52 @@ class Recall(Policy):
         place = (_on(at, home), _on(rows, home))
         state["history_k"][place] = _on(key, home)
         state["history_v"][place] = _on(buf.v[slot], home)
-        here = at // lay.page
-        for name, fold in (("key_min", torch.minimum), ("key_max", torch.maximum)):
-            summary = state[name]
-            summary[rows, :, here] = fold(summary[rows, :, here], key)
-        top = self._best_pages(buf, q, at)                          # (rows, pages)
-        self._recall(buf, top, at)
+        summary, here = state["summary"], at // lay.page
+        now = summary[rows, :, :, here]                             # (rows, 2, d)
+        summary[rows, :, :, here] = torch.stack([torch.maximum(now[:, 0], key),
+                                                 torch.minimum(now[:, 1], key)], 1)
+        self._recall(buf, self._best_pages(buf, q, at), at)
 
     def _best_pages(self, buf, q, at):
         """Per row, the `pages` candidate pages of highest bound q+.max + q-.min (summed over
         the group); candidates hold a token past the sinks and older than the window. Stable
         order: ties (and too few candidates) go to the lower page. -> (rows, pages) int64."""
         lay = buf.layout
-        state = buf.policy_state
-        plus = q.clamp(min=0).sum(1, keepdim=True).to(state["key_max"].dtype)    # (rows, 1, d)
-        minus = q.clamp(max=0).sum(1, keepdim=True).to(state["key_min"].dtype)
-        bound = (torch.bmm(plus, state["key_max"]) + torch.bmm(minus, state["key_min"]))[:, 0]
-        first = torch.arange(lay.summaries, device=q.device) * lay.page          # (P,)
-        older = (first.unsqueeze(0) < (at - lay.ring).unsqueeze(1))               # (rows, P)
-        candidate = older & (first + lay.page > lay.sinks)
+        summary = buf.policy_state["summary"]
+        plus = q.clamp(min=0)
+        signed = torch.cat([plus, q - plus], -1).sum(1, keepdim=True)     # (rows, 1, 2d)
+        bound = torch.bmm(signed.to(summary.dtype), summary.flatten(1, 2))[:, 0]   # (rows, P)
+        starts, past_sinks = self._page_starts(buf)
+        candidate = (starts < (at - lay.ring).unsqueeze(1)) & past_sinks
         bound = torch.where(candidate, bound.float(), float("-inf"))
         return torch.sort(bound, dim=1, descending=True, stable=True).indices[:, :lay.pages]
 
+    def _page_starts(self, buf):
+        """(first token of each page (P,), whether a page holds a token past the sinks (P,)):
+        constants of the layout, made once per buffer family."""
+        lay = buf.layout
+
+        def make(device):
+            starts = torch.arange(lay.summaries, device=device) * lay.page
+            return starts, starts + lay.page > lay.sinks
+        return buf.constant(("recall_pages", lay.summaries, lay.page, lay.sinks), make)
+
     def _recall(self, buf, top, at) -> None:
-        """Gather the pages `top` (rows, pages) from the history into the recalled region;
-        a slot is valid for a token past the sinks and older than the window."""
+        """Gather the pages `top` (rows, pages) from the history into the recalled region
+        (one index_select of whole head-dim rows per tensor); a slot is valid for a token past
+        the sinks and older than the window."""
         lay = buf.layout
         state = buf.policy_state
-        offsets = torch.arange(lay.page, device=top.device)
-        index = (top.t().unsqueeze(1) * lay.page + offsets.view(1, -1, 1)).flatten(0, 1)
+        offsets = torch.arange(lay.page, device=top.device).view(1, -1, 1)
+        index = (top.t().unsqueeze(1) * lay.page + offsets).flatten(0, 1)     # (slots, rows)
+        flat = index.clamp(max=lay.tokens - 1) * top.shape[0] + buf.rows_index
         region = slice(lay.sinks, lay.prefix)
-        where = _on(index.clamp(max=lay.tokens - 1), state["history_k"].device)
-        where = where.unsqueeze(-1).expand(-1, -1, buf.head_dim)
-        buf.k[region] = _on(state["history_k"].gather(0, where), buf.k.device)
-        buf.v[region] = _on(state["history_v"].gather(0, where), buf.v.device)
-        buf.pos[region] = index.to(torch.int32)
+        for name in ("k", "v"):
+            history = state[f"history_{name}"]
+            pages = history.view(-1, buf.head_dim).index_select(0, _on(flat.flatten(),
+                                                                        history.device))
+            getattr(buf, name)[region] = _on(pages, buf.k.device).view(*index.shape, -1)
+        buf.pos[region] = index
         buf.valid[region] = (index >= lay.sinks) & (index < (at - lay.ring).unsqueeze(0))
 
     def after_attention(self, buf, slot, probs, scored=False):

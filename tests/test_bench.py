@@ -176,11 +176,11 @@ def test_warmup_runs_the_policy_under_test_and_it_evicts(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["h2o", "buzz", "cascade", "hashevict", "vatp", "tova",
-                                  "scissorhands"])
+                                  "scissorhands", "recall"])
 def test_warmup_policy_evicts_at_the_warmup_length(name):
     from flexevict.bench.throughput import WARMUP_PROMPT, WARMUP_TOKENS, warmup_policy
     from flexevict.policies import PolicySpec
-    policy, length = warmup_policy(PolicySpec.parse(name, 0.2), max_prompt=2048)
+    policy, length = warmup_policy(PolicySpec.parse(name, 0.2), 2048, WARMUP_TOKENS)
     assert length >= WARMUP_PROMPT and policy.name == name
     layout = policy.layout(length, WARMUP_TOKENS)
     assert layout.evicts and layout.capacity < length
@@ -189,7 +189,7 @@ def test_warmup_policy_evicts_at_the_warmup_length(name):
 def test_warmup_of_full_is_full_and_fits_short_prompts():
     from flexevict.bench.throughput import warmup_policy
     from flexevict.policies import PolicySpec
-    policy, length = warmup_policy(PolicySpec.parse("full"), max_prompt=16)
+    policy, length = warmup_policy(PolicySpec.parse("full"), 16, 8)
     assert policy.name == "full" and length == 16
 
 

@@ -129,3 +129,19 @@ def test_generation_runs_and_the_whole_budget_is_full():
     assert generate(m, ps, 12, get_policy("recall", budget=1.0), Sampling(), (), 0) == full
     out = generate(m, ps, 12, get_policy("recall", budget=0.6), Sampling(), (), 0)
     assert [len(o) for o in out] == [12, 12]
+
+
+def test_the_memory_plan_counts_the_history_in_the_cache_home():
+    """The history stays with the cache's home (CPU here), the buffer's slots as before."""
+    from flexevict.core.config import registry_config
+    from flexevict.runtime.memory import MemoryPlan
+    from flexevict.runtime.placement import Placement
+    config = registry_config("smollm2-135m")
+    lay = get_policy("recall", budget=0.1).layout(6144, 64)
+    placement = Placement.from_percent((100, 0, 0, 100, 100, 0), gpu_batch_size=2)
+    without = MemoryPlan(config, placement, torch.float16, 2, 6144, 64, lay.slots)
+    plan = MemoryPlan(config, placement, torch.float16, 2, 6144, 64, lay.slots, lay.home_tokens)
+    history = config.num_layers * 2 * 6208 * 2 * config.num_kv_heads * config.dim_head * 2
+    assert lay.home_tokens == 6208
+    assert plan.cache_part(False)["cpu"] - without.cache_part(False)["cpu"] == history
+    assert plan.cache_part(False)["gpu"] == without.cache_part(False)["gpu"]

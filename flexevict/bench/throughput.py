@@ -108,8 +108,9 @@ def run(args) -> dict:
         check_length(config, args.prompt_len, steps)
     spec = policy_spec(args)
     policy = spec.make()
-    slots = policy.layout(args.prompt_len, args.gen_len).slots
-    plan = MemoryPlan(config, placement, dtype, n, args.prompt_len, args.gen_len, slots)
+    layout = policy.layout(args.prompt_len, args.gen_len)
+    plan = MemoryPlan(config, placement, dtype, n, args.prompt_len, args.gen_len, layout.slots,
+                      layout.home_tokens)
     try:
         plan.check(device, limit,
                    None if args.cpu_mem_limit is None else int(args.cpu_mem_limit * GIB))
@@ -126,7 +127,8 @@ def run(args) -> dict:
         try:
             prompts = _random_prompts(config, n, args.prompt_len, args.seed)
             if not args.no_warmup:
-                warm, length = warmup_policy(spec, args.prompt_len)
+                warm, length = warmup_policy(spec, args.prompt_len,
+                                             min(WARMUP_TOKENS, args.gen_len))
                 engine.run(_random_prompts(config, n, length, args.seed + 1),
                            min(WARMUP_TOKENS, args.gen_len), warm, _greedy)
             _reset_peaks(device)
@@ -225,18 +227,29 @@ def load_kernels(device) -> float | None:
     return time.perf_counter() - t0
 
 
-def warmup_policy(spec: PolicySpec, max_prompt: int) -> tuple[Policy, int]:
-    """A fresh policy from `spec` for the warm-up, with a budget that makes it evict at the
-    warm-up's length -> (policy, prompt length <= max_prompt, the timed run's, so the warm-up
-    fits wherever the run does). A spec without a budget (`full`, or any policy holding every
-    token) is kept as is: the timed run does not evict either."""
+def warmup_policy(spec: PolicySpec, max_prompt: int, steps: int) -> tuple[Policy, int]:
+    """A fresh policy from `spec` for the warm-up of `steps` decode steps, with a budget that
+    makes it evict at the warm-up's length -> (policy, prompt length <= max_prompt, the timed
+    run's, so the warm-up fits wherever the run does). A spec without a budget (`full`, or any
+    policy holding every token) is kept as is: the timed run does not evict either. The budget
+    is a quarter of the warm-up, or the least above it that the policy's layout accepts
+    (recall's page summaries need room that grows with the run)."""
     length = min(WARMUP_PROMPT, max_prompt)
     if spec.budget is None and spec.budget_tokens is None:
         return spec.make(), length
     minimum = spec.make().minimum_slots()
     length = min(max(length, 2 * minimum), max_prompt)      # the prompt overflows the budget
     slots = max(minimum, length // 4)
-    return dataclasses.replace(spec, budget=None, budget_tokens=slots).make(), length
+    while True:
+        policy = dataclasses.replace(spec, budget=None, budget_tokens=slots).make()
+        try:
+            if policy.layout(length, steps).evicts:
+                return policy, length
+        except UserError:
+            pass
+        if slots >= length + steps:
+            return policy, length                 # none evicts here: warm up without evicting
+        slots += 1
 
 
 def _timed_run(engine, prompts, steps, gen_len, policy, wrap_positions: bool):

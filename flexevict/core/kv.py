@@ -48,6 +48,12 @@ class Layout:
     def capacity(self) -> int:
         return self.slots - 1
 
+    @property
+    def home_tokens(self) -> int:
+        """Tokens of K/V per row a policy keeps with the cache's home besides the buffer
+        (recall's history); memory plans count them. None by default."""
+        return 0
+
     def describe(self) -> dict:
         """The resolved budget as printed by every CLI and JSON result."""
         d = {"slots": self.slots}

@@ -123,6 +123,7 @@ class CostModel:
         policy = spec.make()
         self.slots = policy.slots_for(prompt_len, gen_len)
         self.evicts = self.slots < prompt_len + gen_len
+        self.history = policy.layout(prompt_len, gen_len).home_tokens   # recall's
         self.ranks_prompt = policy.needs_prompt_scores and self.evicts
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.dev = calibration.device(self.device, dtype)
@@ -139,7 +140,8 @@ class CostModel:
 
     # ------------------------------------------------------------------ public
     def memory_plan(self, placement, n: int) -> MemoryPlan:
-        return MemoryPlan(self.config, placement, self.dtype, n, self.P, self.G, self.slots)
+        return MemoryPlan(self.config, placement, self.dtype, n, self.P, self.G, self.slots,
+                          self.history)
 
     def estimate(self, placement, n: int, plan: MemoryPlan | None = None) -> Estimate:
         """Predicted prefill and decode time of n sequences under `placement`."""

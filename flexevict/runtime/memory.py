@@ -60,11 +60,13 @@ def _numel(shape) -> int:
 
 class MemoryPlan:
     """Estimated bytes per tier for one run: n sequences of prompt_len + gen_len tokens with
-    `slots` KV slots per (sequence, layer, kv head)."""
+    `slots` KV slots per (sequence, layer, kv head), and `history` tokens of K/V per row that
+    stay with each cache home besides its buffer (recall's, `Layout.home_tokens`)."""
 
-    def __init__(self, config, placement, dtype, n, prompt_len, gen_len, slots):
+    def __init__(self, config, placement, dtype, n, prompt_len, gen_len, slots, history=0):
         self.config, self.placement, self.dtype = config, placement, dtype
         self.n, self.prompt_len, self.gen_len, self.slots = n, prompt_len, gen_len, slots
+        self.history = history
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.sizes = placement.batch_split(n)
 
@@ -141,9 +143,11 @@ class MemoryPlan:
         c, p = self.config, self.placement
         tiers = {"gpu": 0, "cpu": 0, "disk": 0}
         homes = p.cache_tiers(len(self.sizes))
+        history = 2 * self.history * c.num_kv_heads * c.dim_head * self.elem   # K and V
         for tier, b in zip(homes, self.sizes):
-            tiers[tier] += c.num_layers * self._buffer_bytes(b, p.compress_cache,
-                                                              pinned and tier == "cpu")
+            tiers[tier] += c.num_layers * (self._buffer_bytes(b, p.compress_cache,
+                                                               pinned and tier == "cpu")
+                                           + b * history)
         for work in {work_tier(p, t) for t in homes if not in_place(p, t)}:
             tiers[work] += POOL * self._buffer_bytes(max(self.sizes), False)
         return tiers
