@@ -50,8 +50,9 @@ def test_every_policy_has_finite_perplexity_at_20_percent(perplexities):
     for name, r in perplexities.items():
         assert math.isfinite(r["ppl"]) and r["ppl"] > 1, (name, r)
         assert r["tokens"] == 1024
-        if name != "full":
-            assert r["slots"] == math.floor(0.2 * 1024)
+        if name != "full":     # recall's page summaries take part of its budget
+            summaries = r["resolved"].get("summary_slots", 0)
+            assert r["slots"] + summaries == math.floor(0.2 * 1024)
 
 
 @pytest.mark.parametrize("name", BEAT_LOCAL)
