@@ -63,6 +63,13 @@ def check_eviction_cost(out, stdout, tmp):
     assert "### after, 16 + 4" in stdout and "| h2o |" in stdout
 
 
+def check_recall_speed(out, stdout, tmp):
+    r = _json(out)                                   # PREFIX.json
+    assert set(r["runs"]) == {"full", "h2o", "recall"}
+    assert all(run["decode_throughput"] > 0 for run in r["runs"].values())
+    assert "| recall |" in stdout and "--policy recall --budget 0.5" in stdout
+
+
 def check_suites(out, stdout, tmp):
     assert "call 1: FLEXEVICT_COMMIT=" in stdout
     assert "bench/profile_decode.py --model opt-6.7b" in stdout
@@ -118,6 +125,9 @@ CASES = {
     "eviction_cost.py": (["--before", "BEFORE", "--policy", "full", "--policy", "h2o",
                           "--prompt-len", "16", "--gen-len", "4", "--batch", "2",
                           "--out", "PREFIX"], check_eviction_cost),
+    # full, h2o and recall on a 64-token prompt, 4 tokens
+    "recall_speed.py": (["--model", "opt-125m", "--prompt-len", "64", "--gen-len", "4",
+                         "--budget", "0.5", "--out", "PREFIX"], check_recall_speed),
     # the GPU calls' plan (every suite of them needs a GPU; the CPU suite takes minutes)
     "suites.py": (["gpu", "--dry-run"], check_suites),
     # where a decode step's GPU time goes; on a CPU only its wall time
