@@ -107,10 +107,10 @@ class Recall(Policy):
             if room >= page + 1:
                 break
         else:
-            need = summaries + self.sinks + page + 2
+            need = min(math.ceil(total / p) + self.sinks + p + 2 for p in self.pages_to_try())
             raise UserError(f"budget of {slots} slots leaves no page to recall: recall needs "
-                            f"at least {need} for {total} tokens ({summaries} hold the page "
-                            f"summaries); raise --budget")
+                            f"at least {need} for {total} tokens (its page summaries take "
+                            f"part of the budget); raise --budget")
         window = max(1, min(self.window, room // 4))     # a small budget goes to pages first
         pages = max(1, (room - window) // page)
         prefix = self.sinks + pages * page

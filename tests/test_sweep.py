@@ -80,7 +80,11 @@ def test_every_policy_beats_local_at_20_percent_perplexity(quick):
     local = c[("ppl", "local", 0.2)]["metrics"]["ppl"]
     for p in POLICIES:
         if p not in ("full", "local"):
-            ppl = c[("ppl", p, 0.2)]["metrics"]["ppl"]
+            metrics = c[("ppl", p, 0.2)]["metrics"]
+            if "skipped" in metrics:      # recall: 20% of the quick documents holds no page
+                assert p == "recall" and "raise --budget" in metrics["skipped"], metrics
+                continue
+            ppl = metrics["ppl"]
             assert math.isfinite(ppl) and ppl < local, (p, ppl, local)
     assert c[("ppl", "full", 1.0)]["metrics"]["ppl"] < local
 
@@ -121,7 +125,8 @@ def test_attention_error_measures_eviction(quick):
 def test_rerun_skips_finished_cells_and_resumes_a_missing_one(quick, capsys):
     before = cells(quick)
     r = sweep(capsys, "--quick", "--out", quick)
-    assert "65 cells, 65 already done, 0 to run" in r["stderr"] and r["cells_run"] == 0
+    n = 5 * len(POLICIES)                                        # tasks x policies at 20%
+    assert f"{n} cells, {n} already done, 0 to run" in r["stderr"] and r["cells_run"] == 0
     assert cells(quick) == before
     path = os.path.join(quick, "results.json")                    # lose one finished cell
     with open(path) as f:
@@ -132,7 +137,7 @@ def test_rerun_skips_finished_cells_and_resumes_a_missing_one(quick, capsys):
     with open(path, "w") as f:
         json.dump(data, f)
     r = sweep(capsys, "--quick", "--out", quick)
-    assert "64 already done, 1 to run" in r["stderr"] and r["cells_run"] == 1
+    assert f"{n - 1} already done, 1 to run" in r["stderr"] and r["cells_run"] == 1
     after = cells(quick)
     assert after[("passkey", "h2o", 0.2)]["metrics"] == before[("passkey", "h2o", 0.2)]["metrics"]
     assert all(after[k]["finished"] == v["finished"] for k, v in before.items()
