@@ -11,8 +11,8 @@ The estimate is Quest's per-page upper bound (Tang et al. 2024, "Quest: Query-Aw
 for Efficient Long-Context LLM Inference", Sec. 3): with the elementwise minimum m and maximum
 M of a page's keys, q.k <= sum_d max(q_d m_d, q_d M_d) for any key of the page. Summed over the
 query heads of a kv head it is q+.M + q-.m with q+ (q-) the sum of the heads' positive
-(negative) parts: two small batched products per step. The minima and maxima travel with the
-buffer and count against the budget: with K/V of 2 d values per token and two d-vectors per
+(negative) parts: one small batched product per step over the summaries [M; m]. The summaries
+travel with the buffer and count against the budget: with K/V of 2 d values per token and two d-vectors per
 page, a page's summary costs one slot, so `slots = floor(budget (P + G)) - ceil((P + G) / page)`
 hold tokens.
 
@@ -163,7 +163,8 @@ class Recall(Policy):
                                   ("valid", ok[:lay.sinks], ok[lay.sinks:])):
             t = getattr(buf, name)
             t[:lay.sinks], t[window] = first, last
-        buf.valid[lay.sinks:lay.prefix] = False
+        buf.valid[lay.sinks:lay.prefix] = False               # recalled before each step
+        buf.pos[lay.sinks:lay.prefix] = -1
         buf.score.zero_()
         buf.state.zero_()
         buf.used, buf.ring_start, buf.cursor = lay.capacity, lay.prefix, lay.prefix
