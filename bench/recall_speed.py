@@ -48,8 +48,8 @@ def table(runs: dict, args) -> str:
         lines.append(f"| {policy} | {r['prefill_latency_s']:.1f} | {r['decode_throughput']:.2f} | "
                      f"{ratio('full')} | {ratio('h2o')} | {r['total_throughput']:.2f} | "
                      + ("–" if share is None else f"{100 * share:.1f}%") + " |")
-    lines += ["", "Commands:", ""] + [f"    python -m flexevict.bench {' '.join(bench_argv(p, args))}"
-                                      for p in runs]
+    lines += ["", "Commands:", ""]
+    lines += [f"    python -m flexevict.bench {' '.join(bench_argv(p, args))}" for p in runs]
     return "\n".join(lines)
 
 

@@ -12,9 +12,9 @@ for Efficient Long-Context LLM Inference", Sec. 3): with the elementwise minimum
 M of a page's keys, q.k <= sum_d max(q_d m_d, q_d M_d) for any key of the page. Summed over the
 query heads of a kv head it is q+.M + q-.m with q+ (q-) the sum of the heads' positive
 (negative) parts: one small batched product per step over the summaries [M; m]. The summaries
-travel with the buffer and count against the budget: with K/V of 2 d values per token and two d-vectors per
-page, a page's summary costs one slot, so `slots = floor(budget (P + G)) - ceil((P + G) / page)`
-hold tokens.
+travel with the buffer and count against the budget: with K/V of 2 d values per token and two
+d-vectors per page, a page's summary costs one slot, so `slots = floor(budget (P + G)) -
+ceil((P + G) / page)` hold tokens.
 
 Layout of a row's committed slots: [0, sinks) the first tokens, [sinks, sinks + pages * page)
 the recalled pages (refilled every step, never stored back), then the window, a ring of the
@@ -82,8 +82,8 @@ class Recall(Policy):
         super().__post_init__()
         if self.page < 0 or self.sinks < 0 or self.window < 1:
             raise UserError(f"--policy-arg page must be >= 0 (0: automatic), window >= 1 and "
-                            f"sinks >= 0 (got "
-                            f"page={self.page}, sinks={self.sinks}, window={self.window})")
+                            f"sinks >= 0 (got page={self.page}, sinks={self.sinks}, "
+                            f"window={self.window})")
 
     def minimum_slots(self) -> int:
         return self.sinks + min(self.pages_to_try()) + 3   # a page, a window slot, scratch
@@ -251,9 +251,7 @@ class Recall(Policy):
         lay = buf.layout
         if not lay.evicts:
             return buf.commit_appended(slot)
-        buf.move(buf.scratch, buf.cursor)
-        buf.valid[buf.scratch] = False
-        buf.advance_cursor()
+        buf.ring_push()
         buf.valid[lay.sinks:lay.prefix] = False
         buf.pos[lay.sinks:lay.prefix] = -1
 

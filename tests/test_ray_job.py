@@ -1,8 +1,12 @@
 """The batch job on Ray (`--ray auto --workers N`) on a local 2-CPU cluster of CPU workers:
 the same bytes as the single-machine path with 1 or 2 workers, every id exactly once when a
 worker process dies mid-job, and a job stopped on one machine finished on Ray."""
+import glob
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -98,9 +102,6 @@ def test_a_job_that_starts_ray_is_quiet_tidy_and_keeps_the_users_niceness(
     """In a fresh process (the CLI starts its own Ray): no error-level log line (Ray Data's
     actor pools logged one per run about their constructor arguments), no Ray process left
     once it exits, and its workers run at the user's niceness (Ray's default is 15)."""
-    import subprocess
-    import sys
-    import time
     write_rows(tmp_path / "in.jsonl", ROWS)
     argv = ["--model", tiny_dir, "--input", str(tmp_path / "in.jsonl"), "--output",
             str(tmp_path / "out.jsonl"), *FLAGS, "--ray", "auto", "--workers", "2"]
@@ -132,7 +133,6 @@ def _without_ray_address() -> dict:
 
 def _ray_pids() -> set[int]:
     """Running Ray processes (raylet, gcs_server, workers), by pid."""
-    import glob
     found = set()
     for path in glob.glob("/proc/[0-9]*/cmdline"):
         try:

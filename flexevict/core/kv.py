@@ -51,7 +51,7 @@ class Layout:
     @property
     def home_tokens(self) -> int:
         """Tokens of K/V per row a policy keeps with the cache's home besides the buffer
-        (recall's history); memory plans count them. None by default."""
+        (recall's history); memory plans count them. 0 by default."""
         return 0
 
     def describe(self) -> dict:
@@ -62,13 +62,17 @@ class Layout:
         return d
 
 
+KV = "kv"               # a Field's dtype: the buffer's K/V dtype
+
+
 @dataclass(frozen=True)
 class Field:
     """One piece of per-buffer policy state.
 
     A tensor: `shape` holds ints and the names "slots" (every slot, scratch included), "rows"
-    and "d" (the head dim), `dtype` its type (KV: the K/V dtype), zero-filled. A host value (`dtype` None): a
-    Python value the policy replaces (never mutates in place), starting as `init`.
+    and "d" (the head dim), `dtype` its type (KV: the K/V dtype), zero-filled. A host value
+    (`dtype` None): a Python value the policy replaces (never mutates in place), starting as
+    `init`.
     home: the tensor lives with the buffer's home in the cache tier and is never copied: a
     working buffer on the compute device refers to its home's tensor (recall's history)."""
     name: str
@@ -83,9 +87,6 @@ class Field:
             return self.init
         size = tuple(sizes.get(x, x) for x in self.shape)
         return alloc(size, kv_dtype if self.dtype == KV else self.dtype, device)
-
-
-KV = "kv"               # a Field's dtype: the buffer's K/V dtype
 
 
 def zeros(shape, dtype, device) -> torch.Tensor:
@@ -236,6 +237,11 @@ class KVBuffer:
         takes its ring slot, and the cursor advances.
         """
         self.move(self.cursor, victims)          # no-op on rows whose victim is the cursor
+        self.ring_push()
+
+    def ring_push(self) -> None:
+        """The scratch token replaces the ring's oldest (at `cursor`), and the cursor advances:
+        a sliding window's commit, and the second half of `ring_commit`."""
         self.move(self.scratch, self.cursor)
         self.valid[self.scratch] = False
         self.advance_cursor()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from flexevict.runtime.generation import plan_batches
-from flexevict.jobs.inputs import Row
+from flexevict.jobs.inputs import Row, read_window
 
 
 def plan_window(rows: list[Row], spec) -> list[list[Row]]:
@@ -18,6 +18,16 @@ def plan_window(rows: list[Row], spec) -> list[list[Row]]:
     batches = plan_batches([len(r.ids) for r in rows], spec.max_new_tokens, spec.policy.make(),
                            spec.block_size)
     return [[rows[i] for i in batch] for batch in batches]
+
+
+def window_todo(spec, win, prompter, done) -> list[tuple[int, int, list[Row]]]:
+    """A look-ahead window read and blocked, its committed blocks (`done`) left out ->
+    [(block, blocks in the window, rows)]: what the local path runs and the Ray path ships.
+    Callers take one window at a time and let it go before the next (the rows of at most
+    one window are ever held)."""
+    blocks = plan_window(read_window(spec.input, win, spec.window_rows, prompter, spec.chat),
+                         spec)
+    return [(b, len(blocks), rows) for b, rows in enumerate(blocks) if b not in done]
 
 
 def run_block(llm, spec, rows: list[Row]) -> dict:

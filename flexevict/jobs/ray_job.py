@@ -2,16 +2,16 @@
 
     windows (driver) -> blocks (driver) -> EngineWorker actors (N) -> commit (driver)
 
-The driver reads the look-ahead windows that still have blocks to run, one at a time, forms
-their blocks by the same rule as the single-machine path (`blocks.plan_window`) and drops the
-committed ones; it keeps two blocks per worker in flight and commits each result to the same
-state folder as the local path as it arrives, so a job can be stopped and continued with or
-without Ray, and a block that arrives twice is committed once. Each worker is a Ray actor
-holding one loaded model (same model, placement and policy flags; 1 CPU, plus 1 GPU with
+The driver reads the look-ahead windows that still have blocks to run, one at a time, and forms
+their uncommitted blocks by the same rule and in the same order as the single-machine path
+(`blocks.window_todo`); it keeps two blocks per worker in flight and commits each result to
+the same state folder as the local path as it arrives, so a job can be stopped and continued
+with or without Ray, and a block that arrives twice is committed once. Each worker is a Ray
+actor holding one loaded model (same model, placement and policy flags; 1 CPU, plus 1 GPU with
 --device cuda). A worker process that dies is restarted by Ray and its block retried
 (max_restarts=-1, max_task_retries=-1); the actor's constructor takes only the job's small
-settings, by value, so a restart never needs an object that may be gone (Ray Data's actor
-pools pass theirs through the object store and log an error line about it on every run).
+settings, by value, so a restart never needs an object that may be gone (Ray Data's actor pools
+pass theirs through the object store and log an error line about it on every run).
 
 Only the driver reads the input, so only its node needs the file; every node needs flexevict
 installed (and the weights at the same path). Workers keep the user's scheduling priority (Ray
@@ -22,8 +22,7 @@ from __future__ import annotations
 import os
 
 from flexevict.errors import UserError
-from flexevict.jobs.blocks import plan_window, rows_from_wire, rows_to_wire, run_block
-from flexevict.jobs.inputs import read_window
+from flexevict.jobs.blocks import rows_from_wire, rows_to_wire, run_block, window_todo
 
 INSTALL = 'pip install "flexevict[ray]"'
 TEST_CRASH_FLAG = "FLEXEVICT_JOB_TEST_CRASH_FLAG"   # test hook: see EngineWorker
@@ -97,6 +96,16 @@ def _results(ray, spec, found, state, workers: int):
             ray.kill(a)
 
 
+def _blocks(spec, found, state):
+    """The job's missing blocks as the workers take them, window by window (`window_todo`,
+    the local path's rule) -> (window, block, blocks in window, rows on the wire)."""
+    prompter, done, complete = spec.prompter(), state.committed(), state.complete_windows()
+    for w, win in enumerate(found.windows):
+        if w not in complete:
+            for b, n, rows in window_todo(spec, win, prompter, done.get(w, ())):
+                yield w, b, n, rows_to_wire(rows)
+
+
 def _check_room(ray, workers: int, gpu: bool):
     """N workers need N CPUs (and N GPUs with --device cuda): else they would wait forever."""
     have = ray.cluster_resources()
@@ -104,21 +113,6 @@ def _check_room(ray, workers: int, gpu: bool):
         if have.get(kind, 0) < need:
             raise UserError(f"--workers {workers} needs {need} {kind}s on the Ray cluster, which "
                             f"has {have.get(kind, 0):g}; give fewer --workers")
-
-
-def _blocks(spec, found, state):
-    """The job's uncommitted blocks, window by window (one window's rows held at a time), as
-    (window, block, blocks in window, rows on the wire)."""
-    done, complete = state.committed(), state.complete_windows()
-    prompter = spec.prompter()
-    for w, win in enumerate(found.windows):
-        if w in complete:
-            continue
-        blocks = plan_window(read_window(spec.input, win, spec.window_rows, prompter,
-                                         spec.chat), spec)
-        for b, rows in enumerate(blocks):
-            if b not in done.get(w, ()):
-                yield w, b, len(blocks), rows_to_wire(rows)
 
 
 class EngineWorker:

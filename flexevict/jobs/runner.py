@@ -16,8 +16,8 @@ import time
 
 from flexevict.errors import Terminated, UserError
 from flexevict.runtime.progress import Progress
-from flexevict.jobs.blocks import plan_window, run_block
-from flexevict.jobs.inputs import read_window, scan
+from flexevict.jobs.blocks import run_block, window_todo
+from flexevict.jobs.inputs import scan
 from flexevict.jobs.spec import JobSpec
 from flexevict.jobs.state import VERSION, JobState, paths_for, write_atomic
 
@@ -155,12 +155,9 @@ def _run_here(spec: JobSpec, found, state: JobState, commit: Committer, llm):
 
 
 def _run_window(spec: JobSpec, w: int, win, prompter, done: set, commit: Committer, llm):
-    """One window: read, blocked, its missing blocks run and committed (its rows are freed on
-    return, so at most one window of rows is ever held)."""
-    blocks = plan_window(read_window(spec.input, win, spec.window_rows, prompter, spec.chat), spec)
-    for b, block in enumerate(blocks):
-        if b not in done:
-            commit(w, b, len(blocks), run_block(llm, spec, block))
+    """One window's missing blocks, run and committed (its rows are freed on return)."""
+    for b, n, rows in window_todo(spec, win, prompter, done):
+        commit(w, b, n, run_block(llm, spec, rows))
 
 
 def _summary(spec, paths, manifest, found, totals, commit, this_run: dict) -> dict:

@@ -193,8 +193,7 @@ class Engine:
                     progress(sum(t.numel() * t.element_size() for t in layer.values()
                                  if t is not None))
             weights = split_weights(s, layer if s.layer >= 0 else {}, outer)
-            tiers_of = placement.weight_tiers([0 if t is None else t.numel()
-                                               for t in weights.values()])
+            tiers_of = placement.tensor_tiers(weights)
             place = functools.partial(_place, tiers, pack=pack, placement=placement)
             if kept is not None and s.layer >= 0:
                 place = functools.partial(_place_kept, kept, s.layer, cached,
@@ -582,9 +581,8 @@ def _read_layer(config, source, j: int, device, dtype, placement, kept, stages):
     on_disk = set()
     for s in stages:
         weights = split_weights(s, meta, {})
-        tiers_of = placement.weight_tiers([0 if t is None else t.numel()
-                                           for t in weights.values()])
-        on_disk |= {k for k, tier in zip(weights, tiers_of) if tier == "disk"}
+        on_disk |= {k for k, tier in zip(weights, placement.tensor_tiers(weights))
+                    if tier == "disk"}
     compress = placement.compress_weight
     cached = {k for k in on_disk if meta[k] is not None
               and kept.has(j, k, compress and meta[k].dim() == 2)}

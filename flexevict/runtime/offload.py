@@ -16,6 +16,7 @@ runs the jobs submitted with one key in submission order (see `Lane`).
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import threading
@@ -91,24 +92,29 @@ class Tiers:
                 self._run_dir = rundir.create(self.offload_dir)
             self._files += 1
             path = os.path.join(self._run_dir, f"t{self._files}.bin")
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
+        nbytes = max(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), 1)
         try:
             with open(path, "wb") as f:
                 f.truncate(nbytes)                       # sparse file, reads as zeros
-            t = torch.from_file(path, shared=True, size=max(numel, 1), dtype=dtype)
+            return map_file(path, shape, dtype)
         except OSError as e:
             raise UserError(f"--offload-dir {self.offload_dir}: cannot write {path} "
                             f"({e.strerror}); free disk space or choose another directory") from None
-        return t[:numel].view(shape)
 
     def close(self):
         if self.pinned is not None:
             self.pinned.close()
         rundir.remove(self._run_dir)
         self._run_dir = None
+
+
+def map_file(path: str, shape, dtype, shared: bool = True) -> torch.Tensor:
+    """The file at `path` as a tensor of `shape` and `dtype`, memory-mapped (shared: writes
+    reach the file; else copy-on-write). An empty shape maps one element: torch cannot map
+    nothing."""
+    numel = math.prod(shape)
+    return torch.from_file(path, shared=shared, size=max(numel, 1), dtype=dtype)[:numel] \
+        .view(shape)
 
 
 # ---------------------------------------------------------------------------- pinned host memory

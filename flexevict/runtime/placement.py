@@ -108,6 +108,10 @@ class Placement:
         on the [disk | cpu | gpu] scale, so every layer gets the same split."""
         return [_tier_at(mid, self.w_gpu, self.w_cpu) for mid in _midpoints(sizes)]
 
+    def tensor_tiers(self, weights: dict) -> list[str]:
+        """`weight_tiers` of a schedule layer's weights by name (None: an absent bias, size 0)."""
+        return self.weight_tiers([0 if t is None else t.numel() for t in weights.values()])
+
     def cache_tiers(self, num_gpu_batches: int) -> list[str]:
         """Tier of each GPU batch's cache. A mixed percent splits along whole GPU batches (each
         one a set of whole sequences), by the same midpoint rule as weights."""

@@ -80,6 +80,11 @@ def _owner_alive(path: str) -> bool:
     return _start_time(int(pid)) == start
 
 
+def alive(pid: int) -> bool:
+    """Whether a process with this pid runs."""
+    return _start_time(pid) != "gone"
+
+
 def _start_time(pid: int) -> str:
     """The process's start time in clock ticks since boot ("gone" if there is no such process)."""
     try:

@@ -23,6 +23,8 @@ import torch
 
 from flexevict.core.kernels.quant import Packed4bit, quantize_4bit
 from flexevict.errors import UserError
+from flexevict.runtime import rundir
+from flexevict.runtime.offload import map_file
 
 FOLDER = "weights"
 CAP_ENV = "FLEXEVICT_WEIGHT_CACHE_GIB"
@@ -110,19 +112,9 @@ def folder_bytes(path: str) -> int:
 def remove_orphans(folder: str) -> None:
     """Remove the `.part` files of runs that are gone (killed while writing)."""
     for name in os.listdir(folder):
-        if name.endswith(".part") and not _alive(int(name.split(".")[-2])):
+        if name.endswith(".part") and not rundir.alive(int(name.split(".")[-2])):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(folder, name))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _folders(root: str) -> list[str]:
@@ -132,26 +124,23 @@ def _folders(root: str) -> list[str]:
 
 def _mapped(path: str, like: torch.Tensor) -> torch.Tensor:
     """The file as a tensor of like's shape and dtype (copy-on-write map: never written)."""
-    numel = max(like.numel(), 1)
-    return torch.from_file(path, shared=False, size=numel, dtype=like.dtype)[:like.numel()] \
-        .view(like.shape)
+    return map_file(path, like.shape, like.dtype, shared=False)
 
 
 def _write(path: str, t: torch.Tensor) -> torch.Tensor:
     """t written to `path` (via `.part`, renamed when whole) -> the file mapped. The space is
     reserved first: a full disk is one line here, not a bus error while writing the map."""
     part = f"{path}.{os.getpid()}.part"
-    numel = max(t.numel(), 1)
     try:
         with open(part, "wb") as f:
-            os.posix_fallocate(f.fileno(), 0, numel * t.element_size())
+            os.posix_fallocate(f.fileno(), 0, max(t.numel(), 1) * t.element_size())
     except OSError as e:
         with contextlib.suppress(OSError):
             os.remove(part)
         raise UserError(f"--offload-dir: cannot keep dummy weights in {os.path.dirname(path)} "
                         f"({e.strerror}); free disk space there or pass --no-weight-cache"
                         ) from None
-    out = torch.from_file(part, shared=True, size=numel, dtype=t.dtype)[:t.numel()].view(t.shape)
+    out = map_file(part, t.shape, t.dtype)
     out.copy_(t)
     os.replace(part, path)
     return out

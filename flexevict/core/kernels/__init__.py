@@ -28,8 +28,8 @@ __all__ = [  # the dispatch functions (kernel or reference) ...
            "quantize_4bit", "dequantize_4bit", "Packed4bit",
            # ... and reference helpers the policies share (no kernel of their own)
            "WORD_BITS", "SubCaches", "accumulate_scores", "at_slots", "buzz_select",
-           "candidate_slots", "compaction",
-           "hamming", "kv_head_probs", "lowest", "popcount", "reduce_heads"]
+           "candidate_slots", "compaction", "hamming", "kv_head_probs", "lowest", "popcount",
+           "reduce_heads"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 COMMITS = {"none": 0, "mask": 1, "replace": 2, "ring": 3}
