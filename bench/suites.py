@@ -447,29 +447,17 @@ def _call1(p: _Parts) -> list[Step]:
 
 
 def _call2(p: _Parts) -> list[Step]:
-    """What call 1 showed, on a fresh machine: the GPU tests it failed (now eager where they
-    time or guard the policy hooks) and the graph tests; where an eager decode step's GPU time
-    goes (h2o 20% and full); FlexGen side by side (its bench stopped at --gpu-mem-limit);
-    batch 64; the PCIe bound at batch 32."""
-    profile = f"{p.py} bench/profile_decode.py --model opt-6.7b --batch 24 --prompt-len 2048"
+    """After call 1: recall's page gather and history append as one kernel each (reading and
+    writing the pinned CPU history over PCIe, no host sync), checked by every GPU-only test
+    and timed against full streaming its cache, side by side; call 1's calibration travels in
+    bench/wheels/calibration/ so the benches predict without measuring again."""
     return [
         p.install, p.kernels,
         Step("GPU tests", f"{p.py} -m pytest -p flexevict.bench.gpu_tests tests -n 8 "
-             "--timeout 120 -q -rs -p no:cacheprovider -k 'never_syncs_on_gpu or "
-             f"timing_events or graphs' --junitxml={p.o}/call2-gpu-tests.xml", 0.4,
-             ("call2-gpu-tests.xml",), ok=(0, 5)),
-        Step("profile h2o", f"{profile} --policy h2o --json {p.o}/call2-profile-h2o.json", 0.6,
-             ("call2-profile-h2o.json",)),
-        Step("profile full", f"{profile} --policy full --json {p.o}/call2-profile-full.json",
-             0.6, ("call2-profile-full.json",)),
-        Step("flexgen install", f"{p.py} -m pip install -q --no-deps --no-index --target "
-             f"{FLEXGEN_SITE} bench/wheels/{WHEEL_GLOBS['flexgen']}", 0.1),
-        p.suite("flexgen", ["opt-6.7b"], "call2-flexgen.json", 1.5,
-                env=f"FLEXGEN_PYTHON={p.py} PYTHONPATH={FLEXGEN_SITE} "),
-        # batch 64: h2o 20% fits; full (167 GiB of cache) fails its preflight in seconds
-        p.suite("h2o", ["opt-6.7b-2048+2048-bs64-h2o", "opt-6.7b-2048+2048-bs64-full"],
-                "call2-h2o-bs64.json", 1.8),
-        p.suite("bound", ["opt-6.7b-weights-cpu-bs32"], "call2-bound.json", 1.0),
+             "--timeout 120 -q -rs -p no:cacheprovider "
+             f"--junitxml={p.o}/call2-gpu-tests.xml", 0.6, ("call2-gpu-tests.xml",), ok=(0, 5)),
+        p.suite("recall", ["llama-3-8b-32768+32-bs4-recall", "llama-3-8b-32768+32-bs4-full-stream"],
+                "call2-recall.json", 1.6),
     ]
 
 

@@ -472,6 +472,31 @@ void dequantize_4bit(const Tensor& packed, const Tensor& mins, const Tensor& sca
            "dequantize_4bit");
 }
 
+// table (N, ...) on the GPU or in pinned host memory; rows (n, ...) on the GPU with table's row
+// shape and dtype; index (n,) int64 on rows' GPU, every entry in [0, N) (the caller checks).
+void copy_rows(Tensor& table, Tensor& rows, const Tensor& index, bool scatter, int64_t stream) {
+  check_device(rows, "rows", rows);
+  check_device(index, "index", rows);
+  check_dtype(index, "index", at::kLong);
+  check_contiguous(index, "index");
+  check_dtype(table, "table", rows.scalar_type());
+  check_contiguous(table, "table");
+  check_contiguous(rows, "rows");
+  TORCH_CHECK_VALUE(table.is_cuda() ? table.device() == rows.device() : table.is_pinned(),
+                    "flexevict._C: table must be on rows' GPU or in pinned host memory");
+  TORCH_CHECK_VALUE(table.dim() >= 1 && rows.dim() == table.dim() &&
+                    rows.sizes().slice(1) == table.sizes().slice(1),
+                    "flexevict._C: rows must have the table's row shape");
+  TORCH_CHECK_VALUE(index.dim() == 1 && index.size(0) == rows.size(0),
+                    "flexevict._C: index must have one entry per row of rows");
+  c10::DeviceGuard guard(rows.device());
+  const int64_t row_bytes = table.size(0) ? table.numel() / table.size(0) * table.element_size() : 0;
+  raise_if(fe_copy_rows(table.data_ptr(), table.size(0), rows.data_ptr(),
+                        index.data_ptr<int64_t>(), index.size(0), row_bytes, scatter,
+                        as_stream(stream)),
+           "copy_rows");
+}
+
 // The kernels' limits (flexevict_kernels.h) by name: Python reads them from here, so that the
 // header stays the only place they are written down.
 pybind11::dict limits() {
@@ -502,6 +527,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("buzz_pass", &buzz_pass);
   m.def("cascade_update", &cascade_update);
   m.def("quantize_4bit", &quantize_4bit);
+  m.def("copy_rows", &copy_rows);
   m.def("dequantize_4bit", &dequantize_4bit);
   m.def("limits", &limits, "what each kernel accepts (cuda/flexevict_kernels.h), by name");
   m.def("decode_attention_shared_bytes", &fe_decode_attention_shared_bytes,

@@ -189,6 +189,12 @@ const char* fe_dequantize_4bit(int dtype, const uint8_t* packed, const void* min
                                const void* scales, int64_t outer, int64_t length, int64_t inner,
                                int64_t group, void* out, cudaStream_t stream);
 
+// Rows of row_bytes bytes between a table of table_rows rows (device memory, or pinned host
+// memory the GPU reaches directly) and `rows` (n rows, device memory), index (n,) int64 on the
+// device: gather rows[i] = table[index[i]], scatter table[index[i]] = rows[i].
+const char* fe_copy_rows(void* table, int64_t table_rows, void* rows, const int64_t* index,
+                         int64_t n, int64_t row_bytes, bool scatter, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flexevict.core.kernels import put_rows, take_rows
 from flexevict.core.kv import KV, Field, Layout, gather_prompt, left_aligned
 from flexevict.errors import UserError
 from flexevict.policies.base import Policy
@@ -192,10 +193,9 @@ class Recall(Policy):
         state, rows = buf.policy_state, buf.rows_index
         at = buf.pos[slot].to(torch.int64)                          # its position, per row
         key = buf.k[slot]
-        home = state["history_k"].device
-        place = (_on(at, home), _on(rows, home))
-        state["history_k"][place] = _on(key, home)
-        state["history_v"][place] = _on(buf.v[slot], home)
+        flat = at * rows.shape[0] + rows                # (position, row) in the flat history
+        put_rows(state["history_k"].view(-1, buf.head_dim), flat, key)
+        put_rows(state["history_v"].view(-1, buf.head_dim), flat, buf.v[slot])
         summary, here = state["summary"], at // lay.page
         now = summary[rows, :, :, here]                             # (rows, 2, d)
         summary[rows, :, :, here] = torch.stack([torch.maximum(now[:, 0], key),
@@ -237,10 +237,9 @@ class Recall(Policy):
         flat = index.clamp(max=lay.tokens - 1) * top.shape[0] + buf.rows_index
         region = slice(lay.sinks, lay.prefix)
         for name in ("k", "v"):
-            history = state[f"history_{name}"]
-            pages = history.view(-1, buf.head_dim).index_select(0, _on(flat.flatten(),
-                                                                        history.device))
-            getattr(buf, name)[region] = _on(pages, buf.k.device).view(*index.shape, -1)
+            history = state[f"history_{name}"].view(-1, buf.head_dim)
+            pages = take_rows(history, flat.flatten(), buf.k.device)
+            getattr(buf, name)[region] = pages.view(*index.shape, -1)
         buf.pos[region] = index
         buf.valid[region] = (index >= lay.sinks) & (index < (at - lay.ring).unsqueeze(0))
 
@@ -254,9 +253,3 @@ class Recall(Policy):
         buf.ring_push()
         buf.valid[lay.sinks:lay.prefix] = False
         buf.pos[lay.sinks:lay.prefix] = -1
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """t on `device`: itself when it is there. A history on the CPU read by a GPU step is a
-    copy each way (the positions down, the pages up)."""
-    return t if t.device == device else t.to(device)

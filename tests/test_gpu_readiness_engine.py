@@ -466,22 +466,25 @@ def test_gpu_run_pins_what_the_plan_counts(tmp_path, monkeypatch):
 
 
 @CUDA
+@pytest.mark.parametrize("policy", [("h2o", 0.3), ("recall", 0.5)])
 @pytest.mark.parametrize("percent, flags", [
     ((100, 0, 0, 100, 100, 0), {}), ((100, 0, 0, 0, 100, 0), {}),
     ((100, 0, 0, 100, 100, 0), {"cpu_cache_compute": True}),
     ((100, 0, 50, 50, 100, 0), {"num_gpu_batches": 2}),
 ])
-def test_offloaded_cache_with_eviction_runs_on_a_gpu(percent, flags, tmp_path):
-    """Homes on the CPU or disk with an evicting ring policy: tokens of the resident GPU run
-    split into the same GPU batches (attention on the CPU with --cpu-cache-compute may round
-    differently: length only)."""
+def test_offloaded_cache_with_eviction_runs_on_a_gpu(percent, flags, policy, tmp_path):
+    """Homes on the CPU or disk with an evicting ring policy, and recall (its history in
+    pinned CPU memory read by the page-gather kernel, or in a disk file): tokens of the
+    resident GPU run split into the same GPU batches (attention on the CPU with
+    --cpu-cache-compute may round differently: length only)."""
+    name, budget = policy
     prompts = rand_prompts([30, 25, 40, 33], seed=3)
     split = {k: v for k, v in flags.items() if k == "num_gpu_batches"}
     resident = _engine("llama-gqa", (100, 0, 100, 0, 100, 0), tmp_path, "cuda", **split)
     e = _engine("llama-gqa", percent, tmp_path, "cuda", **flags)
     try:
-        ref = generate(resident, prompts, 14, get_policy("h2o", budget=0.3))
-        out = generate(e, prompts, 14, get_policy("h2o", budget=0.3))
+        ref = generate(resident, prompts, 14, get_policy(name, budget=budget))
+        out = generate(e, prompts, 14, get_policy(name, budget=budget))
     finally:
         resident.close()
         e.close()

@@ -290,6 +290,15 @@ def test_buzz_pass_hand_example():
 
 # ---------------------------------------------------------------- 4-bit quantisation
 
+def test_row_copies_reference():
+    table = torch.arange(12.).view(6, 2)
+    assert torch.equal(kernels.take_rows(table, torch.tensor([4, 1, 4]), "cpu"),
+                       torch.tensor([[8., 9.], [2., 3.], [8., 9.]]))
+    kernels.put_rows(table, torch.tensor([0, 5]), torch.tensor([[-1., -2.], [-3., -4.]]))
+    assert table[0].tolist() == [-1., -2.] and table[5].tolist() == [-3., -4.]
+    assert table[1:5].equal(torch.arange(2., 10.).view(4, 2))
+
+
 def test_quantize_hand_example():
     x = torch.tensor([[0.0, 1.0, 1.5, 3.0]])
     p = kernels.quantize_4bit(x, group=4)
@@ -719,6 +728,46 @@ def test_quantize_kernel_propagates_nan_like_the_reference(built, dtype):
     back = kernels.dequantize_4bit(got)
     same(back, want_x)
     assert back[1, :64].isnan().all() and not back[1, 64:].isnan().any()
+
+
+@gpu
+@pytest.mark.parametrize("table_on", ["pinned-host", "gpu", "pageable-host"])
+@pytest.mark.parametrize("dtype,row", [(torch.float16, (128,)), (torch.bfloat16, (2, 64)),
+                                       (torch.float32, (3,)), (torch.uint8, (5,)),
+                                       (torch.float16, (1,))])
+def test_take_and_put_rows_kernels(built, table_on, dtype, row):
+    """Row gather and scatter between a GPU and a table on it or in host memory (pinned: read
+    and written by the kernel over PCIe; pageable: the reference) equal index_select /
+    index_copy_, on random rows and indices (odd row widths take the narrow-word paths)."""
+    gen = torch.Generator().manual_seed(sum(row) + len(table_on))
+    table = torch.randint(0, 250, (1000, *row), generator=gen).to(dtype)
+    if table_on == "pinned-host":
+        table = table.pin_memory()
+    elif table_on == "gpu":
+        table = table.cuda()
+    index = torch.randperm(1000, generator=gen)[:333]
+    want = table.cpu().index_select(0, index)
+    poison()
+    got = kernels.take_rows(table, index.cuda(), "cuda")
+    assert got.is_cuda and torch.equal(got.cpu(), want)
+    new = torch.randint(0, 250, (333, *row), generator=gen).to(dtype)
+    expect = table.cpu().index_copy(0, index, new)
+    kernels.put_rows(table, index.cuda(), new.cuda())
+    torch.cuda.synchronize()
+    assert torch.equal(table.cpu(), expect)
+
+
+@gpu
+def test_row_copies_with_a_pinned_table_never_sync(built):
+    table = torch.randn(4096, 128).half().pin_memory()
+    index = torch.randint(0, 4096, (512,), device="cuda")
+    rows = torch.randn(512, 128, device="cuda").half()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernels.take_rows(table, index, "cuda")
+        kernels.put_rows(table, torch.randperm(4096, device="cuda")[:100], rows[:100])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 # ---------------------------------------------------------------- end to end

@@ -81,7 +81,7 @@ def test_dry_run_prints_two_calls_each_under_nine_minutes():
     for needle in ("ln -sfn ../policies flexevict/policies", "--no-index --target",
                    "flexevict.bench.kernels --load",
                    "-p flexevict.bench.gpu_tests", "-n 8 --timeout 120",
-                   "FLEXGEN_PYTHON=", "flexevict.calibrate --device cuda", "profile_decode.py"):
+                   "FLEXGEN_PYTHON=", "flexevict.calibrate --device cuda", "suites.py recall"):
         assert needle in cmds, needle
 
 

@@ -25,7 +25,7 @@ __all__ = [  # the dispatch functions (kernel or reference) ...
            "backend", "decode_attention", "prefill_attention", "prefill_attention_scores",
            "evict_commit", "ring_commit",
            "hash_codes", "hash_victims", "compact_prompt", "buzz_pass", "cascade_update",
-           "quantize_4bit", "dequantize_4bit", "Packed4bit",
+           "quantize_4bit", "dequantize_4bit", "Packed4bit", "take_rows", "put_rows",
            # ... and reference helpers the policies share (no kernel of their own)
            "WORD_BITS", "SubCaches", "accumulate_scores", "at_slots", "buzz_select",
            "candidate_slots", "compaction", "hamming", "kv_head_probs", "lowest", "popcount",
@@ -297,6 +297,43 @@ def compact_prompt(buf, k, v, pos, valid, scores, rank, prefix: int, ring: int) 
                           ext.stream(k))
     buf.used = buf.capacity
     buf.touch_all()
+
+
+# ------------------------------------------------------------------------------ row copies
+
+def take_rows(table: torch.Tensor, index: torch.Tensor, device) -> torch.Tensor:
+    """table[index] on `device`: table (N, ...), index (n,) int64 with entries in [0, N) ->
+    (n, ...). With `device` a GPU and the table on it or in pinned host memory, one kernel
+    reads the rows where they are (over PCIe for a host table): the index never visits the
+    host, so the step does not synchronise (recall's page gather). Otherwise `index_select`
+    where the table lives and a copy."""
+    device = torch.device(device)
+    module = _rows_module(table, index, device)
+    if module is None:
+        return reference.take_rows(table, index, device)
+    rows = torch.empty((index.shape[0], *table.shape[1:]), dtype=table.dtype, device=device)
+    module.copy_rows(table, rows, index.contiguous(), False, ext.stream(rows))
+    return rows
+
+
+def put_rows(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """table[index] = rows: table (N, ...), index (n,) int64 with distinct entries in [0, N),
+    rows (n, ...) of the table's dtype. Rows on a GPU go to a table on it or in pinned host
+    memory by one kernel, without a host synchronisation (recall's history append)."""
+    module = _rows_module(table, index, rows.device)
+    if module is None:
+        return reference.put_rows(table, index, rows)
+    module.copy_rows(table, rows.contiguous(), index.contiguous(), True, ext.stream(rows))
+
+
+def _rows_module(table, index, device):
+    """The extension for a row copy between `device` (a GPU, where index is) and a table on
+    it or in pinned host memory, else None."""
+    if device.type != "cuda" or index.device != device or not table.is_contiguous():
+        return None
+    if table.device != device and not (table.device.type == "cpu" and table.is_pinned()):
+        return None
+    return ext.module_for(index)
 
 
 def buzz_pass(buf, n: int, k: int, w: int, T: int, s: int, used: int | None = None) -> None:
