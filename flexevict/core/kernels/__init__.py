@@ -311,7 +311,7 @@ def take_rows(table: torch.Tensor, index: torch.Tensor, device) -> torch.Tensor:
     module = _rows_module(table, index, device)
     if module is None:
         return reference.take_rows(table, index, device)
-    rows = torch.empty((index.shape[0], *table.shape[1:]), dtype=table.dtype, device=device)
+    rows = torch.empty((index.shape[0], *table.shape[1:]), dtype=table.dtype, device=index.device)
     module.copy_rows(table, rows, index.contiguous(), False, ext.stream(rows))
     return rows
 
@@ -329,11 +329,19 @@ def put_rows(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> No
 def _rows_module(table, index, device):
     """The extension for a row copy between `device` (a GPU, where index is) and a table on
     it or in pinned host memory, else None."""
-    if device.type != "cuda" or index.device != device or not table.is_contiguous():
+    if not (_same_gpu(index.device, device) and table.is_contiguous()):
         return None
-    if table.device != device and not (table.device.type == "cpu" and table.is_pinned()):
+    if not (_same_gpu(table.device, device) or table.device.type == "cpu" and table.is_pinned()):
         return None
     return ext.module_for(index)
+
+
+def _same_gpu(a: torch.device, b: torch.device) -> bool:
+    """a and b name one GPU ("cuda" is the current one, as torch places it)."""
+    if a.type != "cuda" or b.type != "cuda":
+        return False
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 def buzz_pass(buf, n: int, k: int, w: int, T: int, s: int, used: int | None = None) -> None:
