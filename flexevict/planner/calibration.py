@@ -601,6 +601,12 @@ def measure_quant(device, dtype, quick: bool) -> dict:
             "dequant_bw": nbytes / best_time(lambda: dequantize_4bit(p), device, 3)}
 
 
+# (batch, heads, tokens) of the prefill-attention measurement: on a GPU a shape that keeps it
+# busy (at 2 x 8 x 512 an H200 measured 9 TFLOP/s of launch overhead, and the cost model,
+# scaling that rate to a 32k prompt, predicted the prefill 20x too slow)
+PREFILL_ATTENTION = {False: (2, 8, 512), True: (4, 32, 2048)}
+
+
 def measure_attention(device, dtype, quick: bool) -> dict:
     """Decode attention (fixed + per slot x row x (g + 2) x d), and the flop/s of causal prefill
     attention (2 B H S^2 d flops) on SDPA and on the pass that also collects the prompt's
@@ -619,7 +625,7 @@ def measure_attention(device, dtype, quick: bool) -> dict:
                                device))
         units.append(n * r * (g + 2) * d)
     fixed, per_unit = _fit(units, times)
-    b, h, s = (1, 8, 128) if quick else (2, 8, 512)
+    b, h, s = (1, 8, 128) if quick else PREFILL_ATTENTION[device.type == "cuda"]
     q = torch.randn(b, h, s, d, device=device, dtype=dtype)
     flops = 2 * b * h * s * s * d
     sdpa = flops / best_time(lambda: causal_attention(q, q, q, None), device, 3)
@@ -687,16 +693,19 @@ def measure_overheads(arch: str, device, dtype, quick: bool) -> dict:
     return out
 
 
+# the probe's prefill size; on a GPU one large enough that its element-wise passes are not
+# launch overhead (at 2 x 128 an H200's probe was, and the cost model scaled it to 131k tokens)
 PROBE = {"batch": 2, "prompt": 128}
+PROBE_GPU = {"batch": 8, "prompt": 2048}
 
 
-def probe_config(arch: str):
+def probe_config(arch: str, prompt: int = PROBE["prompt"]):
     """A one-layer model of realistic width: its measured prefill halves let the cost model
     count the element-wise work a layer does besides its matmuls and attention."""
     from flexevict.core.config import ModelConfig
     return ModelConfig(arch=arch, name=f"probe-{arch}", vocab_size=128, hidden_size=512,
                        num_layers=1, num_heads=8, num_kv_heads=2 if arch == "llama" else 8,
-                       ffn_size=1536, max_positions=512, tie_embeddings=False)
+                       ffn_size=1536, max_positions=max(512, prompt), tie_embeddings=False)
 
 
 def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
@@ -706,9 +715,10 @@ def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
     from flexevict.core.model import Transformer
     from flexevict.policies import get_policy
     from flexevict.io.weights import DummyWeights
-    config = probe_config(arch)
+    size = PROBE_GPU if device.type == "cuda" and not quick else PROBE
+    config = probe_config(arch, size["prompt"])
     model = Transformer.load(config, DummyWeights(config, 0), device=device, dtype=dtype)
-    b, s = PROBE["batch"], PROBE["prompt"]
+    b, s = size["batch"], size["prompt"]
     tokens = torch.randint(4, config.vocab_size, (b, s), device=device)
     pos = torch.arange(s, device=device).expand(b, s)
     valid = torch.ones(b, s, dtype=torch.bool, device=device)
@@ -724,7 +734,7 @@ def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
         mid = model.attention_half(w, h, inp, allocate(model, layout, b)[0], policy)
         repeats = 3 if quick else 15
         return {"attn_s": best_time(attn, device, repeats),
-                "mlp_s": best_time(lambda: model.mlp_half(w, mid), device, repeats), **PROBE}
+                "mlp_s": best_time(lambda: model.mlp_half(w, mid), device, repeats), **size}
 
 
 ENGINE_PROBE = {"layers": 6, "gpu_batch_size": 4, "num_gpu_batches": 2, "prompt": 128, "gen": 32}
