@@ -12,6 +12,7 @@ run's bench JSON).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -199,15 +200,20 @@ def budget_table(budget: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Print the tables of a finished suite run (default: the committed CPU results)."""
-    path = argv[0] if argv else os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                             "results", "placement",
-                                             "predicted_vs_measured_cpu.json")
-    with open(path) as f:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="?",
+                    default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                         "results", "placement", "predicted_vs_measured_cpu.json"),
+                    help="a placement suite's predicted_vs_measured_*.json "
+                         "(default: the committed CPU results)")
+    args = ap.parse_args(argv)
+    with open(args.results) as f:
         data = json.load(f)
     print(tables(data["cases"], data["budget"], data["repeats"]))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -1,9 +1,10 @@
-"""The CPU suite run by two source trees side by side: this checkout and another (e.g. the
+r"""The CPU suite run by two source trees side by side: this checkout and another (e.g. the
 commit before a refactor), case by case in alternation, so that a disturbance of the shared
 machine hits both alike. Reports each tree's median total throughput per case and their ratio.
 
     git worktree add /tmp/before <commit>       # or: git archive <commit> | tar -x -C /tmp/before
-    python bench/side_by_side.py --before /tmp/before --rounds 3 --out bench/results/side_by_side_cpu
+    python bench/side_by_side.py --before /tmp/before --rounds 3 \
+        --out bench/results/side_by_side_cpu
 
 Each run is `python -m flexevict.bench <case> --threads 1` (no peer) in a fresh
 process with the tree first on PYTHONPATH (its `policies/` reachable as flexevict.policies via a

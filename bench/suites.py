@@ -4,7 +4,8 @@ the case's own), peers side by side in the same run.
     python bench/suites.py cpu              # runs on a CPU machine (CI-sized), vs transformers
     python bench/suites.py flexgen          # FlexGen's table on a GPU, vs FlexGen 0.1.8
     python bench/suites.py h2o              # H2O's table on a GPU (h2o 20% vs full)
-    python bench/suites.py h2o-policies     # buzz, cascade, hashevict, vatp at 20%, OPT-6.7B 2048+2048
+    python bench/suites.py h2o-policies     # buzz, cascade, hashevict, vatp at 20%,
+                                            # OPT-6.7B 2048+2048
     python bench/suites.py bound            # weights streamed from CPU vs the PCIe bound
     python bench/suites.py placement-cpu    # the cost model: predicted vs measured, auto placement
     python bench/suites.py --list
@@ -286,7 +287,8 @@ def summarize(name: str, rows: list[dict]) -> str:
         ratio = (e["total_throughput"] / p["total_throughput"]
                  if p.get("total_throughput") else None)
         lines.append(
-            f"| {r['case']} | {e['policy']['policy']} ({e['policy']['slots']} slots) | {e['batch']} "
+            f"| {r['case']} | {e['policy']['policy']} ({e['policy']['slots']} slots) "
+            f"| {e['batch']} "
             f"| {fmt(e['total_throughput'])} | {fmt(e['prefill_throughput'], 1)} "
             f"| {fmt(e['decode_throughput'])} | {fmt(e['peak_gpu_mem_gb'])} "
             f"| {fmt(e['peak_cpu_rss_gb'])} | {fmt(None if share is None else 100 * share, 1)} "
@@ -316,7 +318,8 @@ def bound_table(rows: list[dict], bandwidth: float | None) -> str:
     """Per decode step: bytes moved host-to-device / bandwidth vs the measured step time."""
     lines = ["host-to-device bandwidth (pinned): "
              + ("n/a (no CUDA)" if bandwidth is None else f"{bandwidth / 1e9:.2f} GB/s"), "",
-             "| case | GB per decode step | bound ms | measured ms (median step) | bound / measured |",
+             "| case | GB per decode step | bound ms | measured ms (median step) "
+             "| bound / measured |",
              "|---|---|---|---|---|"]
     for r in rows:
         e = r["engine"]

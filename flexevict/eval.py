@@ -12,8 +12,9 @@ With eviction, `ppl` prefills `--prefill-tokens` tokens (default: the slot count
 rest one token at a time through the decode path, evicting exactly as generation does.
 `agreement` compares greedy continuations with the full cache's. `passkey` hides a 5-digit key
 at several depths of filler text and checks the greedy answer. `sweep` runs policies x budgets x
-tasks (ppl, agreement, passkey, attention-loss; see flexevict/evaluation/tasks.py) on packaged real text,
-resumably, and writes a results JSON, markdown tables, the papers' claims and PNG plots.
+tasks (ppl, agreement, passkey, attention-loss; see flexevict/evaluation/tasks.py) on packaged
+real text, resumably, and writes a results JSON, markdown tables, the papers' claims and PNG
+plots.
 """
 from __future__ import annotations
 

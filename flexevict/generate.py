@@ -1,7 +1,9 @@
-"""`python -m flexevict.generate`: one prompt, or an offline batch job over a JSONL file.
+r"""`python -m flexevict.generate`: one prompt, or an offline batch job over a JSONL file.
 
-    python -m flexevict.generate --model smollm2-135m --prompt "The capital of France is" --max-new-tokens 32
-    python -m flexevict.generate --model smollm2-135m --input prompts.jsonl --output out.jsonl --max-new-tokens 64
+    python -m flexevict.generate --model smollm2-135m --prompt "The capital of France is" \
+        --max-new-tokens 32
+    python -m flexevict.generate --model smollm2-135m --input prompts.jsonl --output out.jsonl \
+        --max-new-tokens 64
 
 A job runs block by block (--gpu-batch-size x --num-gpu-batches prompts, grouped by length
 within a look-ahead --window) and commits each finished block to out.jsonl.state/; killed, it
@@ -36,7 +38,8 @@ def parse_args(argv=None):
                    "completion and tokens, in input order")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
-    p.add_argument("--temperature", type=float, default=None, help="sample with this temperature (0: greedy)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sample with this temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=None,

@@ -1,9 +1,10 @@
 """Eviction policies, one module per policy, registered by name (installed as `flexevict.policies`).
 
 A policy owns three decisions on a layer's `KVBuffer` and nothing else (no I/O, no device
-choice): how a run's budget divides the buffer (`layout`, a frozen `kv.Layout`), which prompt tokens it keeps after
-prefill (`prefill`), and where each decoded token goes (`before_attention` for pre-attention
-policies, `after_attention` for policies that read the attention probabilities just used).
+choice): how a run's budget divides the buffer (`layout`, a frozen `kv.Layout`), which prompt
+tokens it keeps after prefill (`prefill`), and where each decoded token goes (`before_attention`
+for pre-attention policies, `after_attention` for policies that read the attention probabilities
+just used).
 
 May import `flexevict.core` and `flexevict.errors`.
 """

@@ -240,7 +240,8 @@ class Buzz(Policy):
         add_attention(buf, probs, scored)
         if slot != buf.scratch:
             buf.commit_appended(slot)
-        counts = [(c + 1, a) for c, a in buf.policy_state["counts"]]     # every row holds the new token
+        # every row holds the new token
+        counts = [(c + 1, a) for c, a in buf.policy_state["counts"]]
         # buf.used is the longest row's count, so this is "some row's middle exceeds T"; a token
         # in scratch cannot stay there (it cannot happen without a pass when k+w+T+1 <= slots,
         # but compacting then still frees room, since no row holds more than k+w+T tokens)

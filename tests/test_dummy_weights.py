@@ -13,8 +13,9 @@ from flexevict.runtime.placement import Placement
 from flexevict.policies import get_policy
 from flexevict.io.weights import DummyWeights, seeded_normal
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs CUDA: compares weights made on the GPU with the CPU's")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs CUDA: compares weights made on the GPU with the CPU's")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 
@@ -44,7 +45,8 @@ def reference_normal(key: int, idx: np.ndarray, scale: float, base: float) -> np
 
 
 @pytest.mark.parametrize("key,scale,base", [(0, 1.0, 0.0), (12345, 0.02, 0.0),
-                                            (2 ** 40 + 7, 0.1, 1.0), (3 * 1_000_003, 64 ** -0.5, 0.0)])
+                                            (2 ** 40 + 7, 0.1, 1.0),
+                                            (3 * 1_000_003, 64 ** -0.5, 0.0)])
 def test_matches_an_independent_uint64_implementation(key, scale, base):
     """Pins the exact algorithm: a sign-extending shift or a lost wrap would change these."""
     n = 300_000

@@ -162,13 +162,16 @@ def test_compression_perplexity_on_smollm2(smollm2_path, tmp_path):
     from flexevict.io.packaged import wikipedia_text
     text = wikipedia_text()
     ppl = {}
-    for label, flags, prefill in (("base-decode", {}, 192), ("cache", {"compress_cache": True}, 192),
-                                  ("base-prefill", {}, None), ("weights", {"compress_weight": True}, None)):
+    for label, flags, prefill in (("base-decode", {}, 192),
+                                  ("cache", {"compress_cache": True}, 192),
+                                  ("base-prefill", {}, None),
+                                  ("weights", {"compress_weight": True}, None)):
         llm = LLM("smollm2-135m", placement=Placement(offload_dir=str(tmp_path), **flags))
         ppl[label] = llm.score(text, max_tokens=256, prefill_tokens=prefill)["ppl"]
         llm.close()
     cache, weights = ppl["cache"] / ppl["base-decode"] - 1, ppl["weights"] / ppl["base-prefill"] - 1
-    print(f"smollm2 ppl change: 4-bit cache {100 * cache:+.2f}%, 4-bit weights {100 * weights:+.2f}%")
+    print(f"smollm2 ppl change: 4-bit cache {100 * cache:+.2f}%, "
+          f"4-bit weights {100 * weights:+.2f}%")
     assert cache != 0 and abs(cache) < 0.05
     assert 0 < weights < 1.0
 

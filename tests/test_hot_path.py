@@ -25,10 +25,10 @@ from flexevict.runtime.engine import Engine, left_pad
 from flexevict.runtime.generation import Sampling, generate
 from flexevict.core.kernels import ext
 from flexevict.core.kernels import reference as ref
-from flexevict.core.model import Transformer, causal_attention, prefill_mask
+from flexevict.core.model import Transformer, causal_attention
 from flexevict.policies import POLICIES, get_policy
 from flexevict.io.weights import DummyWeights
-from tiny import CONFIGS, engine_logits, model_for, rand_prompts
+from tiny import CONFIGS, engine_logits, model_for, prefill_mask, rand_prompts
 
 T = torch.Tensor
 CUDA = torch.cuda.is_available()

@@ -1,6 +1,6 @@
-"""flexevict.core.kernels: the PyTorch references on hand-made and random inputs (CPU), the dispatch's
-argument checks, and - on a CUDA machine - every kernel against its reference on fresh random
-inputs (outputs poisoned first) plus greedy generation with kernels == without, per policy.
+"""flexevict.core.kernels: the PyTorch references on hand-made and random inputs (CPU), the
+dispatch's argument checks, and - on a CUDA machine - every kernel against its reference on fresh
+random inputs (outputs poisoned first) plus greedy generation with kernels == without, per policy.
 
 GPU tests skip with "needs a CUDA GPU" elsewhere; on a GPU machine `pytest tests/test_kernels.py`
 builds the extension (just in time when setup.py did not) and runs everything."""
@@ -16,10 +16,11 @@ from flexevict.runtime.generation import Sampling, generate
 from flexevict.core.kernels import ext
 from flexevict.core.kernels import reference as ref
 from flexevict.core.kv import KVBuffer, Layout
-from flexevict.core.model import Transformer, prefill_mask
+from flexevict.core.model import Transformer
 from flexevict.policies import POLICIES, get_policy
 from flexevict.policies.base import add_attention
 from flexevict.io.weights import DummyWeights
+from tiny import prefill_mask
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

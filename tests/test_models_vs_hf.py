@@ -180,8 +180,8 @@ def test_default_rope_config(hf_model_factory):
     cfg, _ = flexevict.api.resolve_model(folder)
     assert cfg.rope_scaling is None
     assert cfg.rope_theta == 12345.0
-    torch.testing.assert_close(load_engine(folder).model.inv_freq, hf.model.rotary_emb.inv_freq.float(),
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(load_engine(folder).model.inv_freq,
+                               hf.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0)
 
 
 def _bin_copy(hf, folder, dest, strip_prefix=False, shards=1):

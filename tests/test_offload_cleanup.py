@@ -29,8 +29,8 @@ def test_generate_and_eval_remove_their_run_folder(tmp_path, tiny_dir):  # noqa:
                *DISK, "--offload-dir", str(off))
     assert proc.returncode == 0, proc.stderr
     (tmp_path / "t.txt").write_text("some text to score " * 5)
-    proc = run("eval", "ppl", "--model", tiny_dir, "--text", str(tmp_path / "t.txt"), *DISK, "--max-tokens", "30",
-               "--offload-dir", str(off))
+    proc = run("eval", "ppl", "--model", tiny_dir, "--text", str(tmp_path / "t.txt"), *DISK,
+               "--max-tokens", "30", "--offload-dir", str(off))
     assert proc.returncode == 0, proc.stderr
     assert os.path.isdir(off) and runs(off) == []
 

@@ -66,7 +66,8 @@ def test_h2o_batch_64_fits_at_20_percent_and_not_with_full(capsys):
 
 def test_a_budget_fits_a_larger_batch_and_predicts_more_than_full():
     limit = limits(gpu_gb=80)
-    req = P.PlacementRequest(percent=(100, 0, 100, 0, 100, 0), gpu_batch_size=None, num_gpu_batches=1)
+    req = P.PlacementRequest(percent=(100, 0, 100, 0, 100, 0), gpu_batch_size=None,
+                             num_gpu_batches=1)
     full = P.search(model_for("opt-6.7b", 2048, 2048), req, limit).best
     h2o = P.search(model_for("opt-6.7b", 2048, 2048, "h2o", 0.2), req, limit).best
     assert h2o.n >= 64 > full.n
@@ -180,9 +181,10 @@ def test_infeasible_request_gives_one_line_with_the_binding_resource():
 
 
 def test_plan_prints_the_choice_its_bound_and_alternatives(capsys):
-    plan_cli.main(["--model", "opt-30b", "--device", "cuda", "--prompt-len", "512", "--gen-len", "32",
-            "--percent", "auto", "--gpu-batch-size", "auto", "--num-gpu-batches", "4",
-            "--gpu-mem-limit", "16", "--cpu-mem-limit", "200", "--calibration", H100])
+    plan_cli.main(["--model", "opt-30b", "--device", "cuda", "--prompt-len", "512",
+            "--gen-len", "32", "--percent", "auto", "--gpu-batch-size", "auto",
+            "--num-gpu-batches", "4", "--gpu-mem-limit", "16", "--cpu-mem-limit", "200",
+            "--calibration", H100])
     out = capsys.readouterr().out
     for needle in ("plan for opt-30b", "placement: --percent", "predicted:", "token/s total",
                    "memory: GPU", "bound: decode:", "% of the step is bound by", "top "):

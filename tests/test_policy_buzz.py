@@ -17,6 +17,8 @@ from flexevict.policies.full import Full
 from flexevict.policies import PolicySpec
 from flexevict.policies.buzz import BuzzLayout
 
+from tiny import CONFIGS as CFGS, model_for
+
 D = 4  # head dim of the hand-made buffers
 
 
@@ -268,8 +270,6 @@ def test_random_multirow_traces_match_the_reference(k, w, T, s):
 
 
 # ------------------------------------------------------------------ end to end
-
-from tiny import CONFIGS as CFGS, model_for
 
 
 

@@ -17,6 +17,8 @@ from flexevict.runtime.generation import Sampling, generate
 from flexevict.core.kv import KVBuffer
 from flexevict.policies import get_policy
 
+from tiny import model_for, rand_prompts as prompts_of
+
 D = 2   # head dim of the hand-made buffers
 
 
@@ -252,7 +254,8 @@ class Reference:
             else:
                 if not sub:
                     sub.append(item)
-                elif self.mu[item] > self.mu[sub[-1]] or (self.tie and self.mu[item] == self.mu[sub[-1]]):
+                elif (self.mu[item] > self.mu[sub[-1]]
+                      or (self.tie and self.mu[item] == self.mu[sub[-1]])):
                     sub[-1] = item
                 return
 
@@ -399,8 +402,6 @@ def test_budget_split_and_gamma():
 
 # ------------------------------------------------------------------ end to end (tiny models)
 
-from tiny import CONFIGS as CFGS, model_for, rand_prompts as prompts_of
-
 
 
 def traced(monkeypatch, model, prompts, n_new, policy, check=None):
@@ -424,7 +425,8 @@ def traced(monkeypatch, model, prompts, n_new, policy, check=None):
             check(buf)
     monkeypatch.setattr(type(policy), "after_attention", after)   # policies are frozen
     real_head = model.head
-    monkeypatch.setattr(model, "head", lambda h, o=None: logits.append(real_head(h, o)) or logits[-1])
+    monkeypatch.setattr(model, "head",
+                        lambda h, o=None: logits.append(real_head(h, o)) or logits[-1])
     out = generate(model, prompts, n_new, policy, Sampling(), stop_ids=(), pad_id=0)
     return out, bufs, logits
 
@@ -471,8 +473,9 @@ def test_invariants_end_to_end(monkeypatch, key):
 def test_batch_rows_independent(key):
     model = model_for(key)
     prompts = prompts_of([30, 30], seed=2)
-    run = lambda ps: generate(model, ps, 30, get_policy("cascade", budget=0.2), Sampling(),
-                              stop_ids=(), pad_id=0)
+    def run(ps):
+        return generate(model, ps, 30, get_policy("cascade", budget=0.2), Sampling(),
+                        stop_ids=(), pad_id=0)
     both = run(prompts)
     assert both == [run([p])[0] for p in prompts]
     assert len({t for o in both for t in o}) > 5

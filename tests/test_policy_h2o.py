@@ -17,8 +17,8 @@ def buffer_after_prompt(policy, prompt_len, gen_len, scores, rows=1, d=2):
     buf = KVBuffer(layout, rows, d, torch.float32, "cpu", fields=policy.fields(layout))
     pos = torch.arange(prompt_len, dtype=torch.int32).unsqueeze(1).expand(-1, rows)
     k = pos.to(torch.float32).unsqueeze(-1).expand(-1, -1, d).contiguous()   # K encodes position
-    policy.prefill(buf, k, k.clone(), pos.contiguous(), torch.ones(prompt_len, rows, dtype=torch.bool),
-                   scores)
+    policy.prefill(buf, k, k.clone(), pos.contiguous(),
+                   torch.ones(prompt_len, rows, dtype=torch.bool), scores)
     return buf
 
 
@@ -66,7 +66,8 @@ def test_h2o_worked_example():
     assert kept(buf) == [0, 2, 6, 7]
     assert scores_by_pos(buf) == {0: 3.8, 2: 1.35, 6: 0.7, 7: 0.1}
     decode(policy, buf, 8, {0: .2, 2: .01, 6: .7, 7: .04, 8: .05})
-    assert kept(buf) == [0, 6, 7, 8]                       # t6, just out of the window, displaces t2
+    # t6, just out of the window, displaces t2
+    assert kept(buf) == [0, 6, 7, 8]
     assert scores_by_pos(buf) == {0: 4.0, 6: 1.4, 7: 0.14, 8: 0.05}
 
 

@@ -17,6 +17,8 @@ from flexevict.policies import get_policy
 from flexevict.core.kernels import hamming, hash_codes, popcount
 from flexevict.policies.hashevict import projection
 
+from tiny import CONFIGS as CFGS, model_for, rand_prompts as prompts
+
 NAME = "hashevict"
 
 
@@ -191,8 +193,8 @@ def test_worked_example_b_budgeted_step():
     prefill(policy, buf, _example_b_keys().unsqueeze(1), pos=[0, 3, 5, 7, 8, 9])
     assert buf.pos[:6, 0].tolist() == [0, 3, 5, 7, 8, 9]
     q = torch.ones(1, 1, 8)
-    assert hamming(hash_codes(q[0], policy._proj(buf)), policy._get(buf, slice(0, 6)))[:, 0].tolist() \
-        == [3, 2, 5, 5, 4, 1]
+    assert hamming(hash_codes(q[0], policy._proj(buf)),
+                   policy._get(buf, slice(0, 6)))[:, 0].tolist() == [3, 2, 5, 5, 4, 1]
     seen = {}
 
     def masked(buf, slot):
@@ -232,8 +234,8 @@ def test_gqa_sums_distances_over_query_heads():
     buf.constants[("hash_proj", "cpu")] = torch.eye(4)
     prefill(policy, buf, signs("+--+", "----", "++--").unsqueeze(1))
     q = signs("+--+", "--+-").unsqueeze(0)                    # (rows=1, group=2, d)
-    assert hamming(hash_codes(q[0], policy._proj(buf)), policy._get(buf, slice(0, 3)))[:, 0].tolist() \
-        == [3, 3, 5]
+    assert hamming(hash_codes(q[0], policy._proj(buf)),
+                   policy._get(buf, slice(0, 3)))[:, 0].tolist() == [3, 3, 5]
     decode(policy, buf, torch.ones(1, 4), 3, q)
     assert kept(buf) == [0, 1, 3]
 
@@ -348,7 +350,6 @@ def test_prefill_recent_global():
 
 # ------------------------------------------------------------------------------ end to end
 
-from tiny import CONFIGS as CFGS, model_for, rand_prompts as prompts
 _ALLOCATE = E.allocate
 
 

@@ -104,7 +104,8 @@ def test_buffer_is_sized_by_slots_and_never_grows(name, monkeypatch):
         monkeypatch.setattr(type(policy), "after_attention", watch)
         generate(m, rand_prompts([40], seed=5), new_tokens, policy, Sampling(), (), 0)
         c = m.config
-        per_slot = 2 * c.dim_head * 4 + 4 + 4 + 4 + 1                # K, V fp32 + score, state, pos, valid
+        # K, V fp32 + score, state, pos, valid
+        per_slot = 2 * c.dim_head * 4 + 4 + 4 + 4 + 1
         rows = c.num_kv_heads
         for buf in bufs:
             # recall's key summaries take slots' worth of the budget (policies/recall.py)
@@ -126,7 +127,8 @@ def _batched(m, ps, new, make, batch_size):
     """Greedy tokens per prompt when the batcher groups them (generation.plan_batches)."""
     out = [None] * len(ps)
     for batch in gen.plan_batches([len(p) for p in ps], new, make(), batch_size):
-        for i, ids in zip(batch, generate(m, [ps[i] for i in batch], new, make(), Sampling(), (), 0)):
+        for i, ids in zip(batch, generate(m, [ps[i] for i in batch], new, make(), Sampling(),
+                                          (), 0)):
             out[i] = ids
     return out
 

@@ -11,7 +11,7 @@ from flexevict.runtime.generation import Sampling, generate
 from flexevict.core.kv import KVBuffer
 from flexevict.policies import get_policy
 
-from tiny import CONFIGS as CFGS, model_for, rand_prompts, decode_step as step, kept
+from tiny import model_for, rand_prompts, decode_step as step, kept
 
 
 

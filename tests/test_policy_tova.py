@@ -11,7 +11,7 @@ from flexevict.core.kv import KVBuffer, Layout
 from flexevict.policies import get_policy
 from flexevict.policies.base import kv_head_probs
 
-from tiny import CONFIGS as CFGS, model_for, rand_prompts, decode_step as step, kept
+from tiny import model_for, rand_prompts, decode_step as step, kept
 
 
 

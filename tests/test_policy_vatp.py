@@ -123,7 +123,7 @@ def reference(prompt_S, norms, steps, cap, F):
     F = min(F, p)
     L = len(prompt_S)
     S = {i: float(prompt_S[i]) for i in range(L)}
-    imp = lambda i: float("inf") if i < F else S[i] * norms[i]
+    imp = lambda i: float("inf") if i < F else S[i] * norms[i]  # noqa: E731
     if L <= cap:
         keep = set(range(L))
     else:
@@ -193,7 +193,8 @@ def test_matches_reference(norm, F, L):
 
 
 def test_equal_norms_equal_pin_control():
-    """With every value norm equal, vatp keeps exactly what vatp-pin keeps (the example's case (b))."""
+    """With every value norm equal, vatp keeps exactly what vatp-pin keeps (the example's case
+    (b))."""
     g = torch.Generator().manual_seed(5)
     L, T, rows, d = 14, 10, 2, 3
     v = torch.randn(L + T, rows, d, generator=g)
@@ -230,7 +231,8 @@ def run_policy(model, prompts, n, policy, monkeypatch=None, check=None, layouts=
     logits = []
     real_head = model.head
     if monkeypatch is not None:
-        monkeypatch.setattr(model, "head", lambda h, o=None: logits.append(real_head(h, o)) or logits[-1])
+        monkeypatch.setattr(model, "head",
+                            lambda h, o=None: logits.append(real_head(h, o)) or logits[-1])
     with pytest.MonkeyPatch.context() as m:             # policies are frozen: wrap the class
         if check is not None:
             real_after = type(policy).after_attention
@@ -364,7 +366,8 @@ def test_ablation_differs_only_by_value_norm(key, base, monkeypatch):
         bufs[name + ("*" if patch else "")] = seen
         return out
 
-    ones = lambda self, v: torch.ones(v.shape[:-1], dtype=torch.float32)
+    def ones(self, v):
+        return torch.ones(v.shape[:-1], dtype=torch.float32)
     out_pin, log_pin = run("vatp-pin")
     out_ones, log_ones = run("vatp", weight=ones)
     out_vatp, log_vatp = run("vatp")

@@ -63,8 +63,8 @@ def test_one_or_two_workers_match_the_local_path(cluster, tmp_path, tiny_dir,  #
 
 
 @pytest.mark.slow
-def test_a_worker_killed_mid_job_still_gives_every_id_once(  # noqa: F811
-        cluster, tmp_path, tiny_dir, local_output, monkeypatch):
+def test_a_worker_killed_mid_job_still_gives_every_id_once(
+        cluster, tmp_path, tiny_dir, local_output, monkeypatch):  # noqa: F811 (the fixture)
     """The first worker to see the flag file deletes it and exits its process on its first
     block; Ray restarts the actor and retries the block."""
     write_rows(tmp_path / "in.jsonl", ROWS)

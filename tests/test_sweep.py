@@ -330,7 +330,8 @@ def test_a_policy_swept_again_under_a_label_with_its_own_arguments(quick, capsys
     assert policies == {"cascade": (), "cascade@eager": (("eager_fill", "true"),)}
     assert policy_at("cascade@eager", 0.2, policies["cascade@eager"]).make().eager_fill is True
     r = sweep(capsys, "--quick", "--out", quick, "--tasks", "ppl",
-              "--policies", "cascade,cascade@eager", "--policy-arg", "cascade@eager:eager_fill=true")
+              "--policies", "cascade,cascade@eager",
+              "--policy-arg", "cascade@eager:eager_fill=true")
     assert "2 cells, 1 already done, 1 to run" in r["stderr"] and r["cells_run"] == 1
     cell = cells(quick)[("ppl", "cascade@eager", 0.2)]
     assert cell["args"] == {"eager_fill": "true"} and cell["metrics"]["ppl"] > 0

@@ -1,4 +1,5 @@
-"""Tiny random-weight models and prompts shared by the policy tests (imported as `tiny`)."""
+"""Tiny random-weight models and prompts shared by the policy tests (imported as `tiny`), and
+the prefill mask the kernel tests hand to the reference kernels."""
 import torch
 
 from flexevict.core.config import ModelConfig
@@ -83,3 +84,12 @@ def engine_logits(model, prompts, feed, policy):
 
 def _rows(engine, prompts, k: int) -> slice:
     return engine.placement.batch_rows(len(prompts))[k]
+
+
+def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
+    """Causal mask that also hides pad keys; pad queries see themselves (no all-masked row).
+    (B, S) -> (B, 1, S, S) bool, for kernels that take any mask (the model needs none)."""
+    s = valid.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=valid.device).tril()
+    eye = torch.eye(s, dtype=torch.bool, device=valid.device)
+    return ((causal & valid[:, None, :]) | eye).unsqueeze(1)

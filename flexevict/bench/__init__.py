@@ -1,1 +1,2 @@
-"""`python -m flexevict.bench` (the throughput benchmark) and `python -m flexevict.bench.kernels`."""
+"""`python -m flexevict.bench` (the throughput benchmark) and
+`python -m flexevict.bench.kernels`."""

@@ -244,13 +244,15 @@ def from_hf_dict(cfg: dict, name: str = "hf") -> ModelConfig:
         if window and (mtype == "mistral" or cfg.get("use_sliding_window")):
             max_pos = min(max_pos, window)     # no sliding-window attention: refuse longer runs
         return ModelConfig(arch="llama",
-                           num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                           num_kv_heads=(cfg.get("num_key_value_heads")
+                                         or cfg["num_attention_heads"]),
                            ffn_size=cfg["intermediate_size"], max_positions=max_pos,
                            norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
                            rope_scaling=scaling, attention_bias=cfg.get("attention_bias", False),
                            qkv_bias=mtype == "qwen2", mlp_bias=cfg.get("mlp_bias", False),
-                           head_dim=_unless_default(cfg.get("head_dim"),
-                                                    cfg["hidden_size"] // cfg["num_attention_heads"]),
+                           head_dim=_unless_default(
+                               cfg.get("head_dim"),
+                               cfg["hidden_size"] // cfg["num_attention_heads"]),
                            tie_embeddings=cfg.get("tie_word_embeddings", False), **common)
     raise UserError(f"{name}: model_type '{mtype}' is not supported (OPT or LLaMA-family only)")
 

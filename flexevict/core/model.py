@@ -79,8 +79,10 @@ def load_outer_weights(config: ModelConfig, source, device, dtype) -> dict:
     raw = {n: source.load(n, device=device, dtype=dtype) for n in config.outer_param_shapes()}
     if config.arch == "opt":
         p = "model.decoder."
-        w = {"embed": raw[p + "embed_tokens.weight"], "pos_embed": raw[p + "embed_positions.weight"],
-             "proj_in": raw.get(p + "project_in.weight"), "proj_out": raw.get(p + "project_out.weight"),
+        w = {"embed": raw[p + "embed_tokens.weight"],
+             "pos_embed": raw[p + "embed_positions.weight"],
+             "proj_in": raw.get(p + "project_in.weight"),
+             "proj_out": raw.get(p + "project_out.weight"),
              "norm_w": raw.get(p + "final_layer_norm.weight"),
              "norm_b": raw.get(p + "final_layer_norm.bias")}
     else:
@@ -108,7 +110,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         high_wl = old_ctx / sc["high_freq_factor"]
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > low_wl, inv / factor, inv)
-        smooth = (old_ctx / wavelen - sc["low_freq_factor"]) / (sc["high_freq_factor"] - sc["low_freq_factor"])
+        smooth = ((old_ctx / wavelen - sc["low_freq_factor"])
+                  / (sc["high_freq_factor"] - sc["low_freq_factor"]))
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wl) & (wavelen <= low_wl)
         return torch.where(medium, smoothed, scaled)
@@ -189,15 +192,6 @@ class StepInput:
     pads: torch.Tensor | None = None   # prefill: (B,) pads per row; None when no row has any
 
 
-def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
-    """Causal mask that also hides pad keys; pad queries see themselves (no all-masked row).
-    (B, S) -> (B, 1, S, S) bool, for kernels that take any mask (the model needs none)."""
-    s = valid.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=valid.device).tril()
-    eye = torch.eye(s, dtype=torch.bool, device=valid.device)
-    return ((causal & valid[:, None, :]) | eye).unsqueeze(1)
-
-
 class Transformer:
     """A white-box decoder (OPT or LLaMA) over explicit weights."""
 
@@ -269,7 +263,8 @@ class Transformer:
         return StepInput(pos=pos, valid=valid, rope=rope, pads=pads)
 
     def embed(self, tokens: torch.Tensor, inp: StepInput, o: dict | None = None) -> torch.Tensor:
-        """tokens (B, S) or (B,) -> hidden (B, S, D) or (B, D). o: outer weights (default resident)."""
+        """tokens (B, S) or (B,) -> hidden (B, S, D) or (B, D). o: outer weights (default
+        resident)."""
         o = self.outer if o is None else o
         h = F.embedding(tokens, o["embed"])
         if self.config.arch == "opt":
@@ -356,12 +351,14 @@ class Transformer:
         else:
             out = causal_attention(q, k, v, inp.pads, None if factor == 1.0 else scale)
         # buffer rows are (b, kv-head): (B, Hk, S, ...) -> (S, B*Hk, ...)
-        rows = lambda t: t.permute(2, 0, 1, *range(3, t.dim())).reshape(s, b * nk, *t.shape[3:])
+        def rows(t):
+            return t.permute(2, 0, 1, *range(3, t.dim())).reshape(s, b * nk, *t.shape[3:])
         pos = inp.pos.unsqueeze(1).expand(b, nk, s)
         valid = inp.valid.unsqueeze(1).expand(b, nk, s)
         extra = {}
         if policy.needs_prompt_queries and buf.layout.evicts:
-            extra["q"] = q.view(b, nk, nh // nk, s, d).permute(3, 0, 1, 2, 4).reshape(s, b * nk, nh // nk, d)
+            extra["q"] = (q.view(b, nk, nh // nk, s, d).permute(3, 0, 1, 2, 4)
+                          .reshape(s, b * nk, nh // nk, d))
         with clock:
             policy.prefill(buf, rows(k_cached), rows(v), rows(pos).to(torch.int32), rows(valid),
                            None if scores is None else rows(scores), **extra)

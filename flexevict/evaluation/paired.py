@@ -47,7 +47,8 @@ def paired_difference(a, b, higher_is_better: bool = True, confidence: float = 0
     the oriented mean difference and its percentile-bootstrap interval."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1 or a.size == 0:
-        raise ValueError(f"paired scores need two equal-length 1-D lists (got {a.shape}, {b.shape})")
+        raise ValueError(f"paired scores need two equal-length 1-D lists "
+                         f"(got {a.shape}, {b.shape})")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1) (got {confidence})")
     diff = a - b if higher_is_better else b - a

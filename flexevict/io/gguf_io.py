@@ -95,7 +95,8 @@ class GGUFWeights:
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         except Exception as e:
-            raise UserError(f"{self.path}: cannot decode tensor {t.name} ({e}); re-download it") from None
+            raise UserError(f"{self.path}: cannot decode tensor {t.name} ({e}); "
+                            "re-download it") from None
         if name.endswith("q_proj.weight"):
             w = _unpermute(w, self.config.num_heads)
         elif name.endswith("k_proj.weight"):

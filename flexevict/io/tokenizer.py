@@ -1,4 +1,5 @@
-"""Tokenizers: `tokenizer.json` (HF folders), the GGUF's embedded BPE, or bytes for dummy weights."""
+"""Tokenizers: `tokenizer.json` (HF folders), the GGUF's embedded BPE, or bytes for dummy
+weights."""
 from __future__ import annotations
 
 import functools
@@ -61,7 +62,8 @@ def load_tokenizer(path: str | None):
         return Tokenizer(gguf_tokenizer(path))
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
-        raise UserError(f"{path}: no tokenizer.json; copy the model's tokenizer.json into the folder")
+        raise UserError(f"{path}: no tokenizer.json; copy the model's tokenizer.json "
+                        "into the folder")
     try:
         return Tokenizer(HFTokenizer.from_file(file))
     except Exception as e:

@@ -212,7 +212,8 @@ class HFFolderWeights:
                 try:
                     t = handle.get_tensor(key) if self.kind == "safetensors" else handle[key]
                 except Exception as e:
-                    raise UserError(f"{path}: cannot read tensor {key} ({e}); re-download it") from None
+                    raise UserError(f"{path}: cannot read tensor {key} ({e}); "
+                                    "re-download it") from None
                 return _checked(t, name, self.config, path).to(device=device, dtype=dtype)
         raise UserError(f"{self.folder}: weight '{name}' is missing from the weight files")
 
@@ -257,8 +258,10 @@ class NativeWeights:
         try:
             arr = np.load(path, mmap_mode="r")
         except Exception as e:
-            raise UserError(f"{path}: corrupt weight file ({e}); re-run `python -m flexevict.convert`") from None
-        return _checked(torch.from_numpy(np.array(arr)), name, self.config, path).to(device=device, dtype=dtype)
+            raise UserError(f"{path}: corrupt weight file ({e}); "
+                            "re-run `python -m flexevict.convert`") from None
+        return _checked(torch.from_numpy(np.array(arr)), name, self.config, path).to(
+            device=device, dtype=dtype)
 
     def close(self):
         pass

@@ -164,7 +164,8 @@ class Engine:
     def resident(cls, model: Transformer) -> "Engine":
         stages = stages_for(model.config.num_layers, sep_layer=False)
         homes = [{k: Home("gpu", v) for k, v in
-                  split_weights(s, model.layers[s.layer] if s.has_cache else {}, model.outer).items()}
+                  split_weights(s, model.layers[s.layer] if s.has_cache else {},
+                                model.outer).items()}
                  for s in stages]
         return cls(model, Placement(sep_layer=False, overlap=False),
                    homes, Tiers(model.device, DEFAULT_OFFLOAD_DIR, pin=False))

@@ -76,7 +76,8 @@ class Sampler:
                           for r, g in enumerate(self.row_gens[rows])]).squeeze(-1)
 
 
-def plan_batches(lengths: list[int], max_new_tokens: int, policy, batch_size: int) -> list[list[int]]:
+def plan_batches(lengths: list[int], max_new_tokens: int, policy,
+                 batch_size: int) -> list[list[int]]:
     """Indices of sequences grouped into batches of at most batch_size, shortest first, such
     that each sequence's greedy tokens are the same as when it runs alone: only sequences with
     equal `policy.batch_key` share a batch (with `full`, any lengths do)."""

@@ -99,7 +99,8 @@ class Tiers:
             return map_file(path, shape, dtype)
         except OSError as e:
             raise UserError(f"--offload-dir {self.offload_dir}: cannot write {path} "
-                            f"({e.strerror}); free disk space or choose another directory") from None
+                            f"({e.strerror}); free disk space or choose another "
+                            "directory") from None
 
     def close(self):
         if self.pinned is not None:

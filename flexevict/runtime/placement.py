@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass
 
 from flexevict.errors import UserError
 
-TIERS = ("gpu", "cpu", "disk")
 # where disk-tier files go unless --offload-dir says otherwise (every default of it is this)
 DEFAULT_OFFLOAD_DIR = "~/flexevict_offload_dir"
 
@@ -58,7 +57,8 @@ class Placement:
         if self.gpu_batch_size < 0 or self.num_gpu_batches < 1:
             raise UserError(f"--gpu-batch-size must be >= 1 and --num-gpu-batches >= 1 (got "
                             f"{self.gpu_batch_size} and {self.num_gpu_batches})")
-        if self.compress_cache and self.cache_gpu not in (0, 100) and self.cache_cpu not in (0, 100):
+        if (self.compress_cache and self.cache_gpu not in (0, 100)
+                and self.cache_cpu not in (0, 100)):
             raise UserError("--compress-cache needs the cache 100% on one tier (FlexGen's rule)")
         return self
 

@@ -443,9 +443,9 @@ def cascade_plan(buf: KVBuffer, sub: SubCaches, mu, t, sinks: int, window: int,
     once (rows of a ragged batch have different t, hence their own counters).
 
     mu (slots, R) scores, t (R,) int64 token index; `sub` the sub-caches after `sinks` sink
-    slots, `window` = their total size. Updates sub.start/count and returns (src, dst), both (N + 1, R): one simultaneous move (all
-    sources read before any destination is written) that performs the whole cascade; pairs that
-    do nothing read and write the scratch slot.
+    slots, `window` = their total size. Updates sub.start/count and returns (src, dst), both
+    (N + 1, R): one simultaneous move (all sources read before any destination is written) that
+    performs the whole cascade; pairs that do nothing read and write the scratch slot.
     """
     sc, S = buf.scratch, sinks
     start, count, base, size = sub.start, sub.count, sub.base, sub.size
