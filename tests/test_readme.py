@@ -1,5 +1,6 @@
 """The README must be true: no links outside the repository, every file it lists exists, the
-quick start installs torch's CPU build, and every flag it names exists on its command."""
+quick start installs torch's CPU build, and every flag it names exists on its command. The long
+sections live in the README of the folder they describe; the checks follow them there."""
 import json
 import os
 import re
@@ -11,10 +12,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 
+# Every folder README (README.md links each one).
+FOLDERS = ("policies", "cuda", "bench", "bench/results", "bench/results/accuracy",
+           "flexevict/planner", "flexevict/jobs", "flexevict/runtime")
+
+
+def folder_readme(folder: str) -> str:
+    return open(os.path.join(ROOT, folder, "README.md"), encoding="utf-8").read()
+
 
 def test_no_reference_outside_the_repository():
-    docs = [README] + [open(os.path.join(ROOT, d, "README.md"), encoding="utf-8").read()
-                       for d in ("bench", "cuda")]
+    docs = [README] + [folder_readme(d) for d in FOLDERS]
     for text in docs:
         assert "../shared" not in text and "shared/research" not in text
 
@@ -35,11 +43,12 @@ def test_quick_start_installs_the_cpu_build_of_torch():
 def test_flags_named_for_generate_exist():
     helptext = subprocess.run([sys.executable, "-m", "flexevict.generate", "--help"],
                               capture_output=True, text=True).stdout
-    section = README.split("### Generate", 1)[1].split("### Evaluate", 1)[0]   # + Batch jobs
-    section = "\n".join(ln for ln in section.splitlines() if not ln.startswith("ray start"))
-    section = re.sub(r"`python (bench/|-m flexevict\.bench)[^`]*`", "", section)   # other tools
-    for flag in set(re.findall(r"(--[a-z][a-z-]+)", section)):
-        assert flag in helptext, flag
+    span = README.split("### Generate", 1)[1].split("### Evaluate", 1)[0]   # + Batch jobs
+    for section in (span, folder_readme("flexevict/jobs")):   # Batch jobs' full text is there
+        section = "\n".join(ln for ln in section.splitlines() if not ln.startswith("ray start"))
+        section = re.sub(r"`python (bench/|-m flexevict\.bench)[^`]*`", "", section)   # other tools
+        for flag in set(re.findall(r"(--[a-z][a-z-]+)", section)):
+            assert flag in helptext, flag
 
 
 # ------------------------------------------------------------------ README's commands run
@@ -54,15 +63,23 @@ def needs_elsewhere(cmd: str) -> bool:
     return any(need in cmd for need in NEEDS_ELSEWHERE) or cmd == "python -m flexevict.calibrate"
 
 
+# README.md, then the folder READMEs its long sections moved to (their commands, too, run from
+# the repository root). cuda/README.md's block is a synopsis with [optional] arguments.
+COMMAND_DOCS = ("README.md", "policies/README.md", "flexevict/jobs/README.md",
+                "flexevict/runtime/README.md", "flexevict/planner/README.md", "bench/README.md")
+
+
 def readme_commands() -> list[str]:
-    """Every `python -m flexevict...` command of README's bash blocks, continuation lines
-    joined and trailing comments dropped, in order."""
+    """Every distinct `python -m flexevict...` command of the bash blocks of COMMAND_DOCS,
+    continuation lines joined and trailing comments dropped, in order."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = re.sub(r"\s+#.*$", "", line).strip()
-            if line.startswith("python -m flexevict."):
-                commands.append(line)
+    for doc in COMMAND_DOCS:
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\s+#.*$", "", line).strip()
+                if line.startswith("python -m flexevict.") and line not in commands:
+                    commands.append(line)
     return commands
 
 
@@ -77,8 +94,9 @@ def test_readme_commands_are_found_and_use_shipped_files():
 
 @pytest.mark.slow
 def test_readme_commands_run_as_written(tmp_path):
-    """Each quick README command runs as written after the Quick start, in order, from a
-    folder where `bench/` is the repository's (outputs land there, not in the checkout)."""
+    """Each quick README command (README.md's, then the folder READMEs') runs as written after
+    the Quick start, in order, from a folder where `bench/` is the repository's (outputs land
+    there, not in the checkout)."""
     import shlex
     (tmp_path / "bench").symlink_to(os.path.join(ROOT, "bench"))
     env = dict(os.environ, HF_HUB_OFFLINE="1", FLEXEVICT_PROGRESS_SECONDS="600")
