@@ -1,12 +1,37 @@
-"""Shared by the scripts in bench/: the package's run metadata and JSON writer.
+"""Shared by the scripts in bench/: the package's run metadata and JSON writer, and running a
+command that writes its result as JSON (each benchmark case is its own process).
 
     python bench/common.py      # the run metadata every result here records, for this machine
 """
 import argparse
 import json
+import subprocess
+import sys
 
 from flexevict.bench.report import write_json  # noqa: F401
 from flexevict.runtime.machine import run_metadata
+
+
+
+def run_engine(c: dict, out: str) -> dict:
+    """`python -m flexevict.bench` with a case's argv (a suite case: {"name", "argv", "peer"})
+    -> its JSON result, or the error record of `run_json`."""
+    return run_json([sys.executable, "-m", "flexevict.bench", *c["argv"], "--json", out], out)
+
+
+def run_json(argv: list[str], out: str) -> dict:
+    """Run a command that writes its result as JSON to `out` -> that result, or {"error": its
+    last stderr line, "stderr_tail": the last 40}. The stderr tail is echoed either way, so
+    warnings and tracebacks land in the caller's log too."""
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    if lines:
+        print("\n".join(lines[-40:]), file=sys.stderr, flush=True)
+    if proc.returncode != 0:
+        return {"error": (lines or ["failed"])[-1], "stderr_tail": lines[-40:]}
+    with open(out) as f:
+        return json.load(f)
+
 
 if __name__ == "__main__":
     argparse.ArgumentParser(description=__doc__,

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random HF models saved to disk, and the packaged SmolLM2 (engine + HF)."""
 import os
+import re
 import signal
 import tempfile
 
@@ -35,6 +36,32 @@ def pytest_configure(config):
         "markers", "slow: about 5 s or more, or a fixture of minutes (runs in CI and `bash "
                    "tests/run.sh`; the fast tier, `bash tests/run.sh -m 'not slow'`, leaves it "
                    "out)")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu-only", action="store_true",
+                     help="run only the tests that need CUDA (on a GPU machine: `pytest tests "
+                          "--gpu-only`)")
+
+
+# A test needs CUDA when it (or its module or class) carries a skipif mark whose reason says so,
+# the convention here ("needs CUDA: ...", "needs a CUDA GPU"); the condition is not evaluated
+# (on a GPU it is false, and the mark still says what the test needs)
+NEEDS_GPU = re.compile(r"\bneeds (a )?(CUDA|GPU)\b", re.IGNORECASE)
+
+
+def needs_gpu(item) -> bool:
+    return any(NEEDS_GPU.search(str(mark.kwargs.get("reason", "")))
+               for mark in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--gpu-only"):
+        return
+    dropped = [item for item in items if not needs_gpu(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = [item for item in items if needs_gpu(item)]
 
 
 # ------------------------------------------------------------------------ tiny HF models
