@@ -22,13 +22,16 @@ def write_rows(path, rows):
     return str(path)
 
 
-def job(tmp_path, model, *extra, out="out.jsonl", inp="in.jsonl", env=None):
-    """Run the job as a subprocess -> CompletedProcess."""
-    e = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "flexevict.generate", "--model", model,
+def job(tmp_path, model, *extra, out="out.jsonl", inp="in.jsonl", fault=None):
+    """Run the job as a subprocess -> CompletedProcess. fault: (signal, where, k) sends the
+    process that signal before or after its k-th block commit (tests/fault_job.py)."""
+    run = [sys.executable, "-m", "flexevict.generate"] if fault is None else \
+        [sys.executable, os.path.join(os.path.dirname(__file__), "fault_job.py"), *map(str, fault)]
+    return subprocess.run([*run, "--model", model,
                            "--input", str(tmp_path / inp), "--output", str(tmp_path / out),
                            "--max-new-tokens", "6", "--threads", "1", *BLOCKS, *extra],
-                          capture_output=True, text=True, env=e, timeout=300)
+                          capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                          timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ RUNS = {"greedy": [], "h2o": ["--policy", "h2o", "--budget", "0.5"],
 def killed_after_commit(tmp_path, model, k: int):
     """The 40 rows' job, killed (-9) right after its k-th block commit."""
     write_rows(tmp_path / "in.jsonl", ROWS)
-    proc = job(tmp_path, model, env={"FLEXEVICT_JOB_TEST_SIGNAL": f"KILL:after-commit:{k}"})
+    proc = job(tmp_path, model, fault=("KILL", "after-commit", k))
     assert proc.returncode == -9, proc.stderr
 
 
@@ -75,7 +78,7 @@ def test_stopped_job_reruns_to_the_same_bytes(tmp_path, tiny_dir, reference,  # 
                                               run_name, sig, where, k, code):
     write_rows(tmp_path / "in.jsonl", ROWS)
     flags = RUNS[run_name]
-    proc = job(tmp_path, tiny_dir, *flags, env={"FLEXEVICT_JOB_TEST_SIGNAL": f"{sig}:{where}:{k}"})
+    proc = job(tmp_path, tiny_dir, *flags, fault=(sig, where, k))
     assert proc.returncode == code, proc.stderr
     saved = k if where == "after-commit" else k - 1
     blocks = committed_blocks(tmp_path / "out.jsonl")
@@ -150,7 +153,7 @@ def test_changed_settings_or_input_are_refused_then_restart(tmp_path, tiny_dir, 
     proc = job(tmp_path, tiny_dir, "--percent", "0", "100", "0", "100", "100", "0")
     assert proc.returncode == 0, proc.stderr       # where weights live changes no output
     assert (tmp_path / "out.jsonl").read_bytes() == reference["greedy"]
-    proc = job(tmp_path, tiny_dir, env={"FLEXEVICT_JOB_TEST_SIGNAL": "KILL:after-commit:1"})
+    proc = job(tmp_path, tiny_dir, fault=("KILL", "after-commit", 1))
     assert proc.returncode == 0 and "nothing to do" in proc.stderr     # already complete
     proc = job(tmp_path, tiny_dir, "--restart", *RUNS["h2o"])
     assert proc.returncode == 0, proc.stderr

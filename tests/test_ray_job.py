@@ -17,6 +17,7 @@ except ImportError:
                 allow_module_level=True)
 
 from flexevict.generate import main
+from flexevict.jobs import ray_job
 from test_batch_job import ROWS, job, write_rows
 from test_cli import tiny_dir  # noqa: F401 (fixture)
 
@@ -62,6 +63,23 @@ def test_one_or_two_workers_match_the_local_path(cluster, tmp_path, tiny_dir,  #
     assert not os.path.exists(tmp_path / "two.jsonl.state")
 
 
+class CrashOnce(ray_job.EngineWorker):
+    """A worker that exits its process on its first block while the file `flag` exists
+    (deleting it first): exactly one worker dies mid-job. Pickled by value, so the class and
+    its `flag` reach the Ray workers without being importable there."""
+    flag = ""
+
+    def run(self, block):
+        self.blocks = getattr(self, "blocks", 0) + 1
+        if self.blocks == 1:
+            try:
+                os.remove(self.flag)
+                os._exit(1)
+            except FileNotFoundError:
+                pass
+        return super().run(block)
+
+
 @pytest.mark.slow
 def test_a_worker_killed_mid_job_still_gives_every_id_once(
         cluster, tmp_path, tiny_dir, local_output, monkeypatch):  # noqa: F811 (the fixture)
@@ -70,8 +88,13 @@ def test_a_worker_killed_mid_job_still_gives_every_id_once(
     write_rows(tmp_path / "in.jsonl", ROWS)
     flag = tmp_path / "crash-once"
     flag.write_text("")
-    monkeypatch.setenv("FLEXEVICT_JOB_TEST_CRASH_FLAG", str(flag))
-    got = run_on_ray(tmp_path, tiny_dir, 2)
+    monkeypatch.setattr(CrashOnce, "flag", str(flag))
+    monkeypatch.setattr(ray_job, "EngineWorker", CrashOnce)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        got = run_on_ray(tmp_path, tiny_dir, 2)
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     assert not flag.exists()                          # a worker really died
     ids = [json.loads(line)["id"] for line in got.splitlines()]
     assert ids == [r["id"] for r in ROWS]
@@ -83,7 +106,7 @@ def test_a_job_stopped_here_finishes_on_ray(cluster, tmp_path, tiny_dir,  # noqa
                                             local_output):
     """Both paths use the same commit log: kill -9 a local run after 2 blocks, rerun on Ray."""
     write_rows(tmp_path / "in.jsonl", ROWS)
-    proc = job(tmp_path, tiny_dir, env={"FLEXEVICT_JOB_TEST_SIGNAL": "KILL:after-commit:2"})
+    proc = job(tmp_path, tiny_dir, fault=("KILL", "after-commit", 2))
     assert proc.returncode == -9
     assert run_on_ray(tmp_path, tiny_dir, 2) == local_output
     summary = json.loads((tmp_path / "out.summary.json").read_text())

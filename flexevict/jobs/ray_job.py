@@ -25,7 +25,6 @@ from flexevict.errors import UserError
 from flexevict.jobs.blocks import rows_from_wire, rows_to_wire, run_block, window_todo
 
 INSTALL = 'pip install "flexevict[ray]"'
-TEST_CRASH_FLAG = "FLEXEVICT_JOB_TEST_CRASH_FLAG"   # test hook: see EngineWorker
 
 
 def _ray():
@@ -76,8 +75,7 @@ def _results(ray, spec, found, state, workers: int):
     _check_room(ray, workers, gpu)
     actor = ray.remote(EngineWorker).options(num_cpus=1, num_gpus=1 if gpu else 0,
                                              max_restarts=-1, max_task_retries=-1)
-    crash_flag = os.environ.get(TEST_CRASH_FLAG)
-    pool = [actor.remote(spec, crash_flag) for _ in range(workers)]
+    pool = [actor.remote(spec) for _ in range(workers)]
     todo = _blocks(spec, found, state)
     running = {}                                  # object ref -> its actor
     idle = pool * 2                               # each actor takes two blocks at a time
@@ -116,29 +114,18 @@ def _check_room(ray, workers: int, gpu: bool):
 
 
 class EngineWorker:
-    """A Ray actor holding one loaded model; each call generates one block.
+    """A Ray actor holding one loaded model; each call generates one block."""
 
-    Test hook: crash_flag (from FLEXEVICT_JOB_TEST_CRASH_FLAG on the driver) names a file;
-    the first worker to find it there on its first block deletes it and exits the process,
-    so exactly one worker dies mid-job."""
-
-    def __init__(self, spec, crash_flag: str | None = None):
+    def __init__(self, spec):
         import torch
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        self.spec, self.crash_flag, self.calls = spec, crash_flag, 0
+        self.spec = spec
         self.llm = spec.llm(progress=False)
 
     def run(self, block: tuple) -> tuple:
         """(window, block, blocks in window, rows on the wire) -> (window, block, blocks in
         window, the block's record)."""
-        self.calls += 1
-        if self.crash_flag and self.calls == 1:
-            try:
-                os.remove(self.crash_flag)
-                os._exit(1)
-            except FileNotFoundError:
-                pass
         w, b, n, rows = block
         return w, b, n, run_block(self.llm, self.spec, rows_from_wire(rows))
 

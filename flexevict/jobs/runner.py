@@ -1,16 +1,10 @@
 """A batch job from start to end: check the input, resume from the state folder, run the
 missing blocks (here, or on Ray workers), assemble the output in input order, summarize.
-
-Test hook: FLEXEVICT_JOB_TEST_SIGNAL=NAME:WHERE:K (e.g. KILL:after-commit:2) makes the process
-send itself SIGNAME at WHERE (before-commit: the block is generated but not yet committed;
-after-commit: just after) of the K-th block it commits, so the tests can stop a job at an exact
-point. Unset in normal use.
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 
@@ -20,8 +14,6 @@ from flexevict.jobs.blocks import run_block, window_todo
 from flexevict.jobs.inputs import scan
 from flexevict.jobs.spec import JobSpec
 from flexevict.jobs.state import VERSION, JobState, paths_for, write_atomic
-
-TEST_SIGNAL = "FLEXEVICT_JOB_TEST_SIGNAL"
 
 
 def run_job(spec: JobSpec, restart: bool = False, ray: str | None = None,
@@ -137,13 +129,11 @@ class Committer:
         self.rows = self.tokens = 0
 
     def __call__(self, w: int, b: int, n: int, record: dict):
-        _test_signal("before-commit", len(self.seconds) + 1)
         self.seconds.append(self.state.commit(w, b, n, record))
         tokens = sum(r["out"]["tokens"] for r in record["rows"])
         self.rows += len(record["rows"])
         self.tokens += tokens
         self.bar.update(len(record["rows"]), tokens)
-        _test_signal("after-commit", len(self.seconds))
 
 
 def _run_here(spec: JobSpec, found, state: JobState, commit: Committer, llm):
@@ -186,12 +176,3 @@ def _summary(spec, paths, manifest, found, totals, commit, this_run: dict) -> di
         "device": spec.device, "ray": this_run["ray"],
         "manifest": manifest,
     }
-
-
-def _test_signal(where: str, count: int):
-    want = os.environ.get(TEST_SIGNAL)
-    if want:
-        name, at, k = want.split(":")
-        if at == where and int(k) == count:
-            os.kill(os.getpid(), getattr(signal, "SIG" + name))
-            time.sleep(1)           # the handler runs here (SIGKILL never returns)
