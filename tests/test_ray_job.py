@@ -21,10 +21,6 @@ from flexevict.jobs import ray_job
 from test_batch_job import ROWS, job, write_rows
 from test_cli import tiny_dir  # noqa: F401 (fixture)
 
-# one xdist worker runs every Ray test in turn: a second local cluster at the same time would
-# fight over the two CPUs, and the process checks would see the other cluster's processes
-pytestmark = pytest.mark.xdist_group("ray")
-
 FLAGS = ["--max-new-tokens", "6", "--threads", "1", "--gpu-batch-size", "3",
          "--num-gpu-batches", "2", "--window", "12"]
 
