@@ -12,7 +12,6 @@ from flexevict.bench.report import write_json  # noqa: F401
 from flexevict.runtime.machine import run_metadata
 
 
-
 def run_engine(c: dict, out: str) -> dict:
     """`python -m flexevict.bench` with a case's argv (a suite case: {"name", "argv", "peer"})
     -> its JSON result, or the error record of `run_json`."""

@@ -18,7 +18,7 @@ __global__ void rows_kernel(const W* from, W* to, const int64_t* index, int64_t 
   if (id >= n * words_per_row) return;
   const int64_t i = id / words_per_row, w = id % words_per_row;
   const int64_t at = index[i];
-  if (at < 0 || at >= table_rows) return;             // checked on the host side too
+  if (at < 0 || at >= table_rows) return;             // the caller's contract; never a wild access
   const int64_t src = (scatter ? i : at) * words_per_row + w;
   const int64_t dst = (scatter ? at : i) * words_per_row + w;
   to[dst] = from[src];
