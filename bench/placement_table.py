@@ -4,6 +4,9 @@ what a KV budget does to the largest feasible batch and the predicted throughput
 
     python bench/placement_table.py [RESULTS.json]   # the tables again, from a suite's results
 
+With `--compare-calibration FILE` (suites.py placement-cpu) every case is also predicted with
+that calibration, for the run's placement: two calibrations judged on the same measured runs.
+
 Every case runs --repeat times (rounds over all cases, so a disturbance of the shared machine
 hits different cases in different rounds) and its median run is compared (the calibration, too,
 keeps the median of its rounds: both describe the machine as it typically is). Results go to
@@ -28,7 +31,10 @@ WITHIN = 0.20              # predicted vs measured total throughput: the goal
 AUTO_VS_HAND = 0.95        # auto's measured throughput vs the best hand-written setting's
 
 
-def run_placement_suite(cases: list[dict], out: str, repeats: int = 5) -> list[dict]:
+def run_placement_suite(cases: list[dict], out: str, repeats: int = 5,
+                        compare: str | None = None) -> list[dict]:
+    """Run the cases (module docstring); compare: another calibration file to predict every
+    case with, side by side with the one the runs used."""
     if repeats < 1:
         raise SystemExit("--repeat must be >= 1")
     folder = os.path.join(out, "cases")
@@ -53,7 +59,8 @@ def run_placement_suite(cases: list[dict], out: str, repeats: int = 5) -> list[d
             shutil.copy(path, os.path.join(folder, f"{c['name']}.json"))
         else:
             median = runs[c["name"]][0][0]
-        rows.append(row(c, median, [res.get("total_throughput") for res, _ in runs[c["name"]]]))
+        rows.append(row(c, median, [res.get("total_throughput") for res, _ in runs[c["name"]]],
+                        compare))
     shutil.rmtree(scratch)
     budget = budget_rows()
     text = tables(rows, budget, repeats)
@@ -66,8 +73,9 @@ def run_placement_suite(cases: list[dict], out: str, repeats: int = 5) -> list[d
     return rows
 
 
-def row(c: dict, r: dict, totals: list) -> dict:
-    """One case's comparison from its median run r (a bench result JSON)."""
+def row(c: dict, r: dict, totals: list, compare: str | None = None) -> dict:
+    """One case's comparison from its median run r (a bench result JSON), and with
+    `compare` (a calibration file) its prediction for the same run under that calibration."""
     argv = c["argv"]
     limit = float(argv[argv.index("--cpu-mem-limit") + 1]) if "--cpu-mem-limit" in argv else None
     out = {"case": c["name"], "command": "python -m flexevict.bench " + " ".join(argv),
@@ -90,7 +98,31 @@ def row(c: dict, r: dict, totals: list) -> dict:
                          "total_s": r["total_latency_s"], "throughput": r["total_throughput"]},
             "measured_over_predicted": ratio, "within": abs(ratio - 1) <= WITHIN,
             "peak_cpu_anon_gb": r["peak_cpu_anon_gb"], "peak_cpu_rss_gb": r["peak_cpu_rss_gb"],
-            "calibration": p["calibration"]}
+            "calibration": p["calibration"],
+            **({"compared": predicted_with(r, c, compare)} if compare else {})}
+
+
+def predicted_with(r: dict, c: dict, path: str) -> dict:
+    """The prediction of run r (a bench result JSON of case c) under the calibration file at
+    `path`, for the placement and batch the run used -> {"calibration", "throughput",
+    "measured_over_predicted", "within"}."""
+    import torch
+    from flexevict.api import resolve_model
+    from flexevict.planner import calibration
+    from flexevict.planner.costmodel import CostModel
+    from flexevict.policies import PolicySpec
+    from flexevict.runtime.placement import Placement
+    argv = c["argv"]
+    threads = int(argv[argv.index("--threads") + 1]) if "--threads" in argv else None
+    config, _ = resolve_model(r["model"], r["path"])
+    spec = PolicySpec.parse(r["policy"]["policy"], r["budget"], r["budget_tokens"])
+    fields = {k: v for k, v in r["placement"].items() if k != "percent"}
+    model = CostModel(config, calibration.read_file(path, threads), r["device"],
+                      getattr(torch, r["dtype"]), r["prompt_len"], r["gen_len"], spec)
+    tput = model.estimate(Placement(**fields), r["batch"]).throughput
+    ratio = r["total_throughput"] / tput
+    return {"calibration": path, "throughput": tput, "measured_over_predicted": ratio,
+            "within": abs(ratio - 1) <= WITHIN}
 
 
 def budget_rows() -> list[dict]:
@@ -158,8 +190,33 @@ def tables(rows: list[dict], budget: list[dict], repeats: int) -> str:
     lines += ["", f"Hand-written cases within {100 * WITHIN:.0f}%: {hits} of {len(good)}; "
               f"auto cases: {sum(r['within'] for r in rows if 'error' not in r and r['auto'])} "
               f"of {sum(1 for r in rows if 'error' not in r and r['auto'])}.", ""]
-    lines += auto_table(rows) + [""] + budget_table(budget)
+    lines += compare_table(rows) + auto_table(rows) + [""] + budget_table(budget)
     return "\n".join(lines)
+
+
+def compare_table(rows: list[dict]) -> list[str]:
+    """The same runs predicted with the compared calibration (none: no lines)."""
+    both = [r for r in rows if "compared" in r]
+    if not both:
+        return []
+    lines = ["## The same runs, predicted with another calibration", "",
+             f"Calibration of the runs: {both[0]['calibration']['path']}; compared: "
+             f"{both[0]['compared']['calibration']}.", "",
+             "| case | total tok/s meas | pred (runs') | meas / pred | pred (compared) | "
+             "meas / pred | within |", "|---|---|---|---|---|---|---|"]
+    for r in both:
+        c = r["compared"]
+        lines.append(f"| {r['case']} | {r['measured']['throughput']:.1f} | "
+                     f"{r['predicted']['throughput']:.1f} | {r['measured_over_predicted']:.2f} | "
+                     f"{c['throughput']:.1f} | {c['measured_over_predicted']:.2f} | "
+                     f"{'yes' if c['within'] else 'NO'} |")
+    for auto in (False, True):
+        group = [r for r in both if r["auto"] == auto]
+        lines.append(f"\n{'Auto' if auto else 'Hand-written'} cases within {100 * WITHIN:.0f}%: "
+                     f"{sum(r['within'] for r in group)} of {len(group)} with the runs' "
+                     f"calibration, {sum(r['compared']['within'] for r in group)} of "
+                     f"{len(group)} with the compared one.")
+    return lines + [""]
 
 
 def auto_table(rows: list[dict]) -> list[str]:

@@ -326,6 +326,9 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=5, metavar="N",
                     help="placement-cpu: run every case N times, rounds over all cases, and "
                          "compare the median run of each (default 5)")
+    ap.add_argument("--compare-calibration", default=None, metavar="FILE",
+                    help="placement-cpu: also predict every case with this calibration file, "
+                         "side by side with the one the runs used")
     args = ap.parse_args(argv)
     with cli_errors("bench/suites.py"):
         if args.max_minutes is not None and args.max_minutes <= 0:
@@ -337,7 +340,8 @@ def main(argv=None):
                           + (f"   [peer: {c['peer']['kind']}]" if c["peer"] else ""))
             return
         if args.suite == "placement-cpu":
-            return run_placement_suite(select(args), args.out or PLACEMENT_RESULTS, args.repeat)
+            return run_placement_suite(select(args), args.out or PLACEMENT_RESULTS, args.repeat,
+                                       args.compare_calibration)
         rows, left = run_suite(args.suite, select(args), args.out or RESULTS, args.json,
                                args.max_minutes)
     if left:

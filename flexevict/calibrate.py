@@ -21,12 +21,17 @@ _SEE_LIBRARY = "What is measured, and where the result is kept: flexevict.planne
 
 def summary(cal: C.Calibration, device: torch.device, dtype: torch.dtype) -> str:
     d = cal.device(device, dtype)
-    L, gb = cal.data["links"], 1e9
-    machine = cal.data["machine"]
-    lines = [f"calibration of {machine['device']} (torch {machine['torch']}, "
-             f"{machine['threads']} threads){' [synthetic]' if cal.synthetic else ''}"
+    gb, host, machine = 1e9, cal.data["host"], cal.data["machine"]
+    measured = host.get("threads")
+    scaling = host.get("thread_scaling")
+    threads = (f"measured at {measured} threads, shown for {cal.threads}" if measured else
+               f"{machine.get('threads', '?')} threads")
+    lines = [f"calibration of {machine['device']} (torch {machine['torch']}, {threads})"
+             f"{' [synthetic]' if cal.synthetic else ''}"
              f"{' [quick]' if cal.quick else ''}: {cal.path}",
-             "links GB/s: " + ", ".join(f"{k} {v / gb:.1f}" for k, v in L.items()),
+             *([f"one thread vs {measured}: compute {scaling['compute']:.2f}x, memory "
+                f"{scaling['memory']:.2f}x the time"] if scaling else []),
+             "links GB/s: " + ", ".join(f"{k} {cal.link(k) / gb:.1f}" for k in cal.data["links"]),
              f"{device.type} {C.dtype_name(dtype)}: gemm {d['gemm_flops'] / 1e12:.2f} TFLOP/s, "
              f"gemv {d['gemv_bw'] / gb:.1f} GB/s, memory {d['mem_bw'] / gb:.1f} GB/s, "
              f"decode attention {d['attn_decode']['per_unit_s'] * 1e12:.2f} ps/unit",
@@ -49,7 +54,9 @@ def main(argv=None):
                    help="compute dtype to measure (default float16 on GPU, float32 on CPU)")
     p.add_argument("--offload-dir", default=DEFAULT_OFFLOAD_DIR,
                    help="where the disk tier lives (its disk is measured)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="show the constants for this many torch CPU threads (default: torch's); "
+                        "the measuring always runs one thread per core and serves every count")
     p.add_argument("--recalibrate", action="store_true", help="measure again even if cached")
     p.add_argument("--quick", action="store_true",
                    help="small sizes, few repeats: seconds, less accurate (tests)")

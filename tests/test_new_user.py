@@ -215,7 +215,7 @@ def test_bench_predicts_from_a_cached_calibration_without_measuring(tmp_path):
     import os
     import torch
     from flexevict.planner.calibration import cache_path, machine_key
-    key = machine_key(torch.device("cpu"), 1)
+    key = machine_key(torch.device("cpu"))
     data = json.loads(open(os.path.join(os.path.dirname(__file__), "calibration_cpu.json")).read())
     data["machine"] = key
     cache = tmp_path / "cache"

@@ -309,8 +309,9 @@ def test_quick_calibration_is_cached_per_machine_and_redone_on_request(tmp_path,
     cpu = torch.device("cpu")
     quiet = lambda *a, **k: None  # noqa: E731
     cal = calibration.load(cpu, 1, str(tmp_path / "off"), quick=True, log=quiet)
-    key = calibration.machine_key(cpu, 1)
+    key = calibration.machine_key(cpu)
     assert cal.path == calibration.cache_path(key) and os.path.isfile(cal.path)
+    assert cal.data["host"]["threads"] == calibration._cores()    # one thread per core
     assert cal.path.startswith(str(tmp_path / "cache"))
     d = cal.device(cpu, torch.float32)
     assert d["gemm_flops"] > 0 and d["gemv_bw"] > 0 and d["attn_decode"]["per_unit_s"] >= 0
@@ -324,7 +325,61 @@ def test_quick_calibration_is_cached_per_machine_and_redone_on_request(tmp_path,
     assert again.data == json.load(open(cal.path))
     with pytest.raises(AssertionError, match="measured again"):
         calibration.load(cpu, 1, recalibrate=True, quick=True, log=quiet)
-    assert calibration.cache_path(calibration.machine_key(cpu, 2)) != cal.path   # per threads
+    other = calibration.load(cpu, 2, quick=True, log=quiet)     # every thread count: one file
+    assert other.path == cal.path and other.threads == 2
+
+
+def _scaled_calibration(threads: int, compute: float = 1.8, memory: float = 1.3):
+    """The fixture calibration as if measured at 4 threads, where one thread takes `compute`
+    and `memory` times as long, read for a run on `threads`."""
+    import copy
+    data = copy.deepcopy(calibration.read_file(os.environ["FLEXEVICT_CALIBRATION"]).data)
+    data["host"].update(threads=4, thread_scaling={"compute": compute, "memory": memory})
+    data["gpu_memory_gb"] = None
+    return calibration.Calibration(data, None, measure_ok=False, threads=threads)
+
+
+def test_one_calibration_serves_every_thread_count():
+    """Measured at 4 threads: at 4 (or more) the constants are as measured; at 1 every
+    compute rate is 1.8x slower and every memory rate 1.3x, by kind; fixed costs do not
+    move; 2 threads fall between, on Amdahl's line through the two measured points."""
+    cpu = torch.device("cpu")
+    probe = {"memory": [1.0, 0.1], "stream": [2.0, 0.3]}        # as a calibration records it
+    cals = {}
+    for t in (1, 4, 8):
+        cals[t] = _scaled_calibration(t)
+        cals[t].data["devices"]["cpu:float32"]["engine_probe"] = {"llama": probe}
+    base = cals[4].device(cpu, torch.float32)
+    assert cals[8].device(cpu, torch.float32) == base
+    one = cals[1].device(cpu, torch.float32)
+    assert one["gemm_flops"] == pytest.approx(base["gemm_flops"] / 1.8)
+    assert one["scored_attn_flops"] == pytest.approx(base["scored_attn_flops"] / 1.8)
+    assert one["gemv_bw"] == pytest.approx(base["gemv_bw"] / 1.3)
+    assert one["prepare"]["layers"][0][1] == pytest.approx(base["prepare"]["layers"][0][1] / 1.3)
+    assert one["attn_decode"]["per_unit_s"] == pytest.approx(
+        base["attn_decode"]["per_unit_s"] * 1.3)
+    assert one["attn_decode"]["fixed_s"] == base["attn_decode"]["fixed_s"]
+    assert one["overhead"] == base["overhead"]
+    assert one["probe"]["opt"]["mlp_s"] == pytest.approx(base["probe"]["opt"]["mlp_s"] * 1.8)
+    assert one["engine_probe"]["llama"]["stream"] == pytest.approx([2.0 * 1.8, 0.3 * 1.3])
+    # Amdahl: t(n) = a + b / n with t(1) = 1.8, t(4) = 1 -> t(2) = 1 + 0.8 * (1/2 - 1/4) / 0.75
+    two = _scaled_calibration(2).device(cpu, torch.float32)
+    assert base["gemm_flops"] / two["gemm_flops"] == pytest.approx(1 + 0.8 / 3)
+    # without a GPU the links are host memcpys, on the same threads; the disk is not
+    assert _scaled_calibration(1).link("h2d_pinned") == pytest.approx(
+        _scaled_calibration(4).link("h2d_pinned") / 1.3)
+    assert _scaled_calibration(1).link("disk_read") == _scaled_calibration(4).link("disk_read")
+
+
+def test_fewer_threads_predict_a_slower_run():
+    """The cost model on the scaled sections: a compute-bound prefill on one thread is
+    predicted about 1.8x slower than on four."""
+    config = resolve_model("opt-125m", "_DUMMY_")[0]
+    spec = PolicySpec.parse("full")
+    est = {t: CostModel(config, _scaled_calibration(t), "cpu", torch.float32, 512, 8,
+                        spec).estimate(Placement(gpu_batch_size=8), 8) for t in (1, 4)}
+    assert 1.4 < est[1].prefill_s / est[4].prefill_s < 1.9
+    assert est[1].decode_s > 1.1 * est[4].decode_s
 
 
 def test_a_policys_hook_costs_are_measured_on_first_use(tmp_path, monkeypatch):
@@ -392,7 +447,7 @@ def test_calibration_prints_every_step(monkeypatch, tmp_path):
     from flexevict.planner import calibration
     for name in ("measure_links", "measure_disk", "measure_matmul", "measure_prepare",
                  "measure_quant", "measure_attention", "measure_overheads", "measure_probe",
-                 "measure_engine_probe"):
+                 "measure_engine_probe", "measure_thread_scaling"):
         monkeypatch.setattr(calibration, name, lambda *a, **k: {})
     for name in ("measure_parallel", "measure_lane_job", "measure_mem_bw"):
         monkeypatch.setattr(calibration, name, lambda *a, **k: 1.0)

@@ -29,12 +29,17 @@ rate is meant to be a memory or link rate):
   per (slot x row), and its prefill hook per (prompt token x row).
 
 On a machine shared with other work a disturbance lasts seconds, longer than one measurement's
-repeats: each device constant is the median of ROUNDS rounds (5 on a CPU, 3 on a GPU), the
-engine probe the median of 3 runs; about 90 s on a 2-core CPU, `--quick` a few seconds.
+repeats: the short measurements run in ROUNDS (3) rounds spread over the calibration and keep
+their medians, the long ones the median of their own repeats; about 30 s on a quiet 2-core CPU,
+`--quick` a few seconds.
 
-The result is cached per machine (device name, torch version, threads) as JSON in
-$FLEXEVICT_CACHE_DIR, else $XDG_CACHE_HOME/flexevict/, else ~/.cache/flexevict/; commands that
-need it calibrate on first use. `--calibration FILE` (plan, bench, generate, eval), or the
+Everything is measured at one torch thread per core, plus how much longer a compute-bound and
+a memory-bound piece of work take on one thread (`measure_thread_scaling`): a run on fewer
+threads scales the CPU's constants by Amdahl's law through those two points (`for_threads`), so
+one calibration serves every --threads. The result is cached per machine (device name, torch
+version) as JSON in $FLEXEVICT_CACHE_DIR, else $XDG_CACHE_HOME/flexevict/, else
+~/.cache/flexevict/; commands that need it calibrate on first use (`bench` only when asked:
+an `auto` flag or --predict). `--calibration FILE` (plan, bench, generate, eval), or the
 environment variable FLEXEVICT_CALIBRATION=FILE, reads a file instead (nothing is measured or
 written then), e.g. one written with --out or --synthetic.
 """
@@ -56,8 +61,9 @@ from flexevict.runtime.machine import device_name
 
 SCHEMA = 3       # 3: prefill attention with prompt scores is one fused pass
 MB = 1 << 20
-# Hidden sizes of the layers whose weights' prepare cost is measured (4 to 120 MB a layer).
-PREPARE_HIDDEN = (256, 512, 768, 1024, 1536, 2048)
+# Hidden sizes of the layers whose weights' prepare cost is measured (3 to 200 MB a layer: the
+# rate falls by half between 1024 and 1536, where a matrix passes glibc's mmap threshold).
+PREPARE_HIDDEN = (256, 768, 1024, 1536, 2048)
 # Datasheet numbers for --synthetic (rates achievable in practice, about 60-85% of peak); the
 # overheads are typical CUDA-launch-bound values. Not measured: say so wherever used.
 SYNTHETIC = {
@@ -78,12 +84,14 @@ def cache_dir() -> str:
     return os.path.join(base, "flexevict")
 
 
-def machine_key(device: torch.device, threads: int) -> dict:
-    return {"device": device_name(device), "torch": torch.__version__, "threads": threads}
+def machine_key(device: torch.device) -> dict:
+    """What a calibration is of: the device and the torch build. Not the thread count: one
+    calibration serves every --threads (`Calibration.threads`)."""
+    return {"device": device_name(device), "torch": torch.__version__}
 
 
 def cache_path(key: dict) -> str:
-    slug = re.sub(r"[^a-z0-9.]+", "-", f"{key['device']}-torch{key['torch']}-t{key['threads']}"
+    slug = re.sub(r"[^a-z0-9.]+", "-", f"{key['device']}-torch{key['torch']}"
                   .lower()).strip("-")
     return os.path.join(cache_dir(), f"calibration-{slug}.json")
 
@@ -94,11 +102,14 @@ class Calibration:
     """The measured constants (a JSON dict) and where they are kept; sections for a compute
     device and dtype, and for a policy, are measured on first use and saved."""
 
-    def __init__(self, data: dict, path: str | None, measure_ok: bool = True, steps=None):
+    def __init__(self, data: dict, path: str | None, measure_ok: bool = True, steps=None,
+                 threads: int | None = None):
         """steps: where each measuring step is reported (`Steps`); a calibration read from
-        its cache reports a section measured on first use with a Steps of its own."""
+        its cache reports a section measured on first use with a Steps of its own. threads:
+        the torch CPU threads the run will use; the CPU's constants, measured at one thread
+        per core, are scaled to them (`for_threads`; None: as measured)."""
         self.data, self.path, self.measure_ok = data, path, measure_ok
-        self.steps = steps
+        self.steps, self.threads = steps, threads
 
     @property
     def synthetic(self) -> bool:
@@ -109,25 +120,33 @@ class Calibration:
         return bool(self.data.get("quick"))
 
     def link(self, name: str) -> float:
-        return self.data["links"][name]
+        """Bytes/s of a link; on a machine without a GPU every link is a host memcpy, which
+        runs on the torch threads (scaled to them like the CPU's memory rates)."""
+        rate = self.data["links"][name]
+        if self.data.get("gpu_memory_gb") is None and not name.startswith("disk"):
+            rate /= _thread_factors(self.data["host"], self.threads)["memory"]
+        return rate
 
     def host(self, name: str):
         return self.data["host"][name]
 
     def device(self, device: torch.device, dtype: torch.dtype) -> dict:
         """Compute constants of (device, dtype), measured now if missing."""
-        key = f"{torch.device(device).type}:{dtype_name(dtype)}"
+        kind = torch.device(device).type
+        key = f"{kind}:{dtype_name(dtype)}"
         devices = self.data.setdefault("devices", {})
         if key not in devices:
-            alike = [k for k in devices if k.startswith(f"{torch.device(device).type}:")]
+            alike = [k for k in devices if k.startswith(f"{kind}:")]
             if alike and (self.synthetic or not self.measure_ok):
                 return devices[alike[0]]     # a file made elsewhere: the same device, another dtype
             self._need_measuring(key)
-            devices[key] = measure_device(torch.device(device), dtype, self.quick,
-                                          self.steps or Steps(device_steps(
-                                              torch.device(device).type, self.quick)))
+            with _threads(self.data["host"].get("threads", torch.get_num_threads())):
+                devices[key] = measure_device(torch.device(device), dtype, self.quick,
+                                              self.steps or Steps(device_steps(kind, self.quick)))
             self.save()
-        return devices[key]
+        if kind != "cpu":
+            return devices[key]
+        return for_threads(devices[key], _thread_factors(self.data["host"], self.threads))
 
     def policy(self, spec, device: torch.device, dtype: torch.dtype) -> dict:
         """Hook costs of a policy (name and arguments) on (device, dtype)."""
@@ -160,22 +179,25 @@ class Calibration:
 def load(device: torch.device, threads: int | None = None, offload_dir: str | None = None,
          path: str | None = None, recalibrate: bool = False, quick: bool = False,
          log=print) -> Calibration:
-    """The calibration for this machine (measured now if not cached), or the file `path`."""
+    """The calibration for this machine (measured now if not cached), or the file `path`, for
+    a run on `threads` torch CPU threads (default: torch's current count). It is measured at
+    one thread per core, whatever `threads` is: one calibration serves every thread count."""
+    threads = threads or torch.get_num_threads()
     path = path or os.environ.get("FLEXEVICT_CALIBRATION")
     if path:
-        return read_file(path)
-    threads = threads or torch.get_num_threads()
-    key = machine_key(device, threads)
+        return read_file(path, threads)
+    key = machine_key(device)
     where = cache_path(key)
     data = None if recalibrate else _read_cache(key)
     if data is not None:
-        return Calibration(data, where)
-    log(f"calibrating this machine (once; cached in {where})", file=sys.stderr)
+        return Calibration(data, where, threads=threads)
+    log(f"calibrating this machine (once, for every --threads; cached in {where})",
+        file=sys.stderr)
     t0 = time.perf_counter()
     steps = Steps(planned(device, quick), log)
-    with _threads(threads):
+    with _threads(_cores()):
         cal = Calibration(measure_machine(device, offload_dir, quick, steps) | {"machine": key},
-                          where, steps=steps)
+                          where, steps=steps, threads=threads)
         cal.device(device, DTYPES[default_dtype(device)])
         if device.type == "cuda":        # attention where a CPU cache lives (--cpu-cache-compute)
             cal.device(torch.device("cpu"), DTYPES[default_dtype(device)])
@@ -188,11 +210,13 @@ def cached(device: torch.device, threads: int | None = None) -> Calibration | No
     """This machine's calibration if one is cached (or named by $FLEXEVICT_CALIBRATION), read
     only: nothing is measured, and a section it lacks is not measured either. None when there
     is none (`load` would measure it)."""
+    threads = threads or torch.get_num_threads()
     if os.environ.get("FLEXEVICT_CALIBRATION"):
-        return read_file(os.environ["FLEXEVICT_CALIBRATION"])
-    key = machine_key(device, threads or torch.get_num_threads())
+        return read_file(os.environ["FLEXEVICT_CALIBRATION"], threads)
+    key = machine_key(device)
     data = _read_cache(key)
-    return None if data is None else Calibration(data, cache_path(key), measure_ok=False)
+    return None if data is None else Calibration(data, cache_path(key), measure_ok=False,
+                                                 threads=threads)
 
 
 def _read_cache(key: dict) -> dict | None:
@@ -228,20 +252,19 @@ def _quiet(what: str) -> None:
 
 
 def planned(device: torch.device, quick: bool) -> int:
-    """How many Steps a first calibration of `device` takes: the machine's 4, the compute
+    """How many Steps a first calibration of `device` takes: the machine's 5, the compute
     device's, and on a GPU the CPU's too (for --cpu-cache-compute)."""
     cpu = device_steps("cpu", quick) if device.type == "cuda" else 0
-    return 4 + device_steps(device.type, quick) + cpu
+    return 5 + device_steps(device.type, quick) + cpu
 
 
 def device_steps(kind: str, quick: bool) -> int:
-    """Steps of `measure_device` on a device of `kind`: 7 per round, and on a CPU one per
-    engine probe."""
-    rounds = 1 if quick else ROUNDS.get(kind, 3)
-    return 7 * rounds + (0 if kind == "cuda" else ENGINE_PROBES[quick])
+    """Steps of `measure_device` on a device of `kind`: one per round, 2 long ones, and on a
+    CPU the engine probe."""
+    return (1 if quick else ROUNDS) + 2 + (0 if kind == "cuda" else 1)
 
 
-def read_file(path: str) -> Calibration:
+def read_file(path: str, threads: int | None = None) -> Calibration:
     try:
         with open(path) as f:
             data = json.load(f)
@@ -253,7 +276,7 @@ def read_file(path: str) -> Calibration:
     if data.get("schema") != SCHEMA or "links" not in data:
         raise UserError(f"--calibration {path}: not a calibration of schema {SCHEMA}; write "
                         "one with python -m flexevict.calibrate --out FILE")
-    return Calibration(data, path, measure_ok=False)
+    return Calibration(data, path, measure_ok=False, threads=threads)
 
 
 def dtype_name(dtype) -> str:
@@ -306,24 +329,28 @@ def _fit(xs, ts) -> tuple[float, float]:
 
 def measure_machine(device: torch.device, offload_dir: str | None, quick: bool,
                     step=_quiet) -> dict:
-    """Links, disk and host constants (the compute sections come per device and dtype);
-    step(what) is called before each of its 4 steps."""
+    """Links, disk and host constants (the compute sections come per device and dtype),
+    measured at torch's current thread count; step(what) is called before each of its 5
+    steps."""
     step("host-device copies")
     links = measure_links(device, (32 if quick else 256) * MB)
     step("disk writes and reads")
-    disk = measure_disk(offload_dir or tempfile.gettempdir(), (32 if quick else 256) * MB)
+    disk = measure_disk(offload_dir or tempfile.gettempdir(), (32 if quick else 128) * MB)
     gpu_gb = torch.cuda.get_device_properties(device).total_memory / (1 << 30) \
         if device.type == "cuda" else None
     step("parallel lanes on the CPU cores")
     parallel = measure_parallel(quick)
     step("one lane job")
     lane_job = measure_lane_job(device)
+    step(f"one thread against {torch.get_num_threads()}")
+    scaling = measure_thread_scaling(quick)
     return {"schema": SCHEMA, "quick": quick, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "gpu_memory_gb": gpu_gb,
             "links": {**links, **disk},
             "host_memory_gb": _mem_total_gb(),
             "host": {"cores": _cores(), "parallel": parallel,
-                     "lane_job_s": lane_job,
+                     "lane_job_s": lane_job, "threads": torch.get_num_threads(),
+                     "thread_scaling": scaling,
                      "disk_note": "read from the page cache through a fresh mapping of a "
                                   "just-written file (the cache cannot be dropped without root)"}}
 
@@ -428,50 +455,124 @@ def measure_lane_job(device: torch.device) -> float:
         lane.close()
 
 
+# ---------------------------------------------------------------------------- threads
+
+def measure_thread_scaling(quick: bool) -> dict:
+    """How much longer work takes on one torch thread than on the current count (one per
+    core): {"compute": t1 / tN of a prefill-shaped matrix product, "memory": t1 / tN of a
+    decode-shaped stream of weights larger than the caches}, each in [1, N]. One and N
+    threads alternate, three times, and each ratio is the median: a busy machine slows both."""
+    from flexevict.core.model import onednn_usable
+    n = torch.get_num_threads()
+    if n < 2:
+        return {"compute": 1.0, "memory": 1.0}
+    cpu = torch.device("cpu")
+    prep, apply = _linear_op(cpu, torch.float32, onednn_usable(cpu, torch.float32))
+    m, k = (256, 1024) if quick else (512, 2048)
+    x, w = torch.randn(m, k), prep(torch.randn(k, k))
+    # the engine's path: a plain x @ w.T at 4 rows runs on one thread whatever the count
+    ws = [prep(torch.randn(3072, 768)) for _ in range(4 if quick else 12)]     # 9 MB each
+    v = torch.randn(4, 768)
+    work = {"compute": lambda: apply(x, w), "memory": lambda: [apply(v, u) for u in ws]}
+    ratios = {name: [] for name in work}
+    for _ in range(3):
+        for name, fn in work.items():
+            with _threads(1):
+                one = best_time(fn, repeats=2)
+            ratios[name].append(one / best_time(fn, repeats=2))
+    return {name: min(max(_median(r), 1.0), float(n)) for name, r in ratios.items()}
+
+
+def _thread_factors(host: dict, threads: int | None) -> dict:
+    """{"compute", "memory"}: time on `threads` torch threads over time at the calibration's
+    thread count, by Amdahl's law (t = a + b / threads) through the two measured points (1
+    and N threads); more threads than N gain nothing. 1.0 without a measured scaling."""
+    scaling, n = host.get("thread_scaling"), host.get("threads", 1)
+    if not scaling or not threads or threads == n or n < 2:
+        return {"compute": 1.0, "memory": 1.0}
+    t = min(max(threads, 1), n)
+    out = {}
+    for name, ratio in scaling.items():
+        b = (ratio - 1) / (1 - 1 / n)              # t(1) = ratio, t(N) = 1
+        out[name] = 1 - b / n + b / t
+    return out
+
+
+# a CPU section's rates (bytes or flop/s) and seconds, by the kind of work that sets them
+COMPUTE_RATES = ("gemm_flops", "sdpa_flops", "scored_attn_flops")
+MEMORY_RATES = ("gemv_bw", "gemv_hot_bw", "mem_bw", "quant_bw", "dequant_bw")
+
+
+def for_threads(section: dict, factors: dict) -> dict:
+    """A CPU section (`measure_device`) scaled by `_thread_factors`: compute-bound rates and
+    times (products, prefill attention, prefill halves) by the compute factor, memory-bound ones
+    (streams, element-wise passes, the reorder, decode attention) by the memory factor; fixed
+    per-call costs (Python and dispatch) are the same on any thread count."""
+    fc, fm = factors["compute"], factors["memory"]
+    if fc == fm == 1.0:
+        return section
+    out = dict(section)
+    out.update({k: section[k] / fc for k in COMPUTE_RATES if k in section})
+    out.update({k: section[k] / fm for k in MEMORY_RATES if k in section})
+    out["prepare"] = {name: [[size, rate / fm] for size, rate in rows]
+                      for name, rows in (section.get("prepare") or {}).items()}
+    attn = section["attn_decode"]
+    out["attn_decode"] = {**attn, "per_unit_s": attn["per_unit_s"] * fm}
+    if "probe" in section:
+        out["probe"] = {arch: {**p, "attn_s": p["attn_s"] * fc, "mlp_s": p["mlp_s"] * fc}
+                        for arch, p in section["probe"].items()}
+    if "engine_probe" in section:       # [prefill s, decode step s]: compute, then memory
+        out["engine_probe"] = {
+            arch: {**e, **{run: [e[run][0] * fc, e[run][1] * fm] for run in ("memory", "stream")}}
+            for arch, e in section["engine_probe"].items()}
+    return out
+
+
 # ---------------------------------------------------------------------------- compute
 
-# each device constant: the median of this many rounds, spread over time (a shared CPU is the
-# noisier, and its rounds are cheaper than its share of a minute on a GPU machine)
-ROUNDS = {"cpu": 5, "cuda": 3}
-ENGINE_PROBES = {True: 1, False: 3}     # rounds of the CPU's engine probe, by quick
+# the short measurements: the median of this many rounds, spread over the calibration
+ROUNDS = 3
 
 
 def measure_device(device: torch.device, dtype: torch.dtype, quick: bool, step=_quiet) -> dict:
     """Compute constants of one device and dtype (see the module docstring). On a machine
     shared with other work a disturbance can last seconds, longer than one measurement's
-    repeats (each the best of a few), so everything is measured in ROUNDS rounds spread over
-    time and each constant keeps its median (`_median_of`): what a run of many steps meets."""
+    repeats (each the best of a few), so the short measurements run in ROUNDS rounds, one
+    before and one after each long one, and keep their medians (`_median_of`): what a run of
+    many steps meets. The long ones (the reorder, fixed costs, the engine probe) take the
+    median of their own repeats."""
     from flexevict.core.model import onednn_usable
     pack = onednn_usable(device, dtype)
-    n_rounds, rounds = 1 if quick else ROUNDS.get(device.type, 3), []
-    for r in range(n_rounds):
-        tag = f"{device.type} {dtype_name(dtype)}, round {r + 1}/{n_rounds}"
-        out = {"pack": pack}
-        step(f"matrix products ({tag})")
-        out.update(measure_matmul(device, dtype, quick))
-        step(f"weight preparation ({tag})")
-        out["prepare"] = measure_prepare(device, dtype, quick) if pack else {}
-        step(f"memory bandwidth ({tag})")
-        out["mem_bw"] = measure_mem_bw(device, (32 if quick else 256) * MB)
-        step(f"4-bit quantization ({tag})")
-        out.update(measure_quant(device, dtype, quick))
-        step(f"attention ({tag})")
-        out.update(measure_attention(device, dtype, quick))
-        step(f"per-layer overheads ({tag})")
-        out["overhead"] = {arch: measure_overheads(arch, device, dtype, quick)
-                           for arch in ARCHS}
-        step(f"a small model's steps ({tag})")
-        out["probe"] = {arch: measure_probe(arch, device, dtype, quick)
-                        for arch in ARCHS}
-        rounds.append(out)
-    out = _median_of(rounds)
+    kind = f"{device.type} {dtype_name(dtype)}"
+    n_rounds = 1 if quick else ROUNDS
+    long = [("weight preparation", "prepare",
+             lambda: measure_prepare(device, dtype, quick) if pack else {}),
+            ("per-layer fixed costs", "overhead",
+             lambda: {arch: measure_overheads(arch, device, dtype, quick) for arch in ARCHS})]
     if device.type == "cpu":      # on a GPU a model this small is launch-bound
-        probes, n_probes = [], ENGINE_PROBES[quick]
-        for r in range(n_probes):
-            step(f"the engine on a small model ({device.type}, {r + 1}/{n_probes})")
-            probes.append({arch: measure_engine_probe(arch, device, dtype, quick)
-                           for arch in ARCHS})
-        out["engine_probe"] = _median_of(probes)
+        long.append(("the engine on a small model", "engine_probe",
+                     lambda: {arch: measure_engine_probe(arch, device, dtype, quick)
+                              for arch in ARCHS}))
+    out, rounds = {"pack": pack}, []
+    for r in range(max(n_rounds, len(long))):
+        if r < n_rounds:
+            step(f"products, bandwidth, quantization, attention, a layer ({kind}, round "
+                 f"{r + 1}/{n_rounds})")
+            rounds.append(_short_measurements(device, dtype, quick))
+        if r < len(long):
+            what, key, measure = long[r]
+            step(f"{what} ({kind})")
+            out[key] = measure()
+    return out | _median_of(rounds)
+
+
+def _short_measurements(device, dtype, quick: bool) -> dict:
+    """One round of the measurements that take a second or two each."""
+    out = measure_matmul(device, dtype, quick)
+    out["mem_bw"] = measure_mem_bw(device, (32 if quick else 256) * MB)
+    out.update(measure_quant(device, dtype, quick))
+    out.update(measure_attention(device, dtype, quick))
+    out["probe"] = {arch: measure_probe(arch, device, dtype, quick) for arch in ARCHS}
     return out
 
 
@@ -514,15 +615,15 @@ def measure_matmul(device, dtype, quick: bool) -> dict:
     x = torch.randn(m, k, device=device, dtype=dtype)
     gemm = 2 * m * k * k / best_time(lambda: apply(x, w), device)
     n_out, n_in = (8192, 4096) if gpu else (3072, 768)
-    total = (512 if gpu else (32 if quick else 256)) * MB
+    total = (512 if gpu else (32 if quick else 128)) * MB
     elem = torch.empty((), dtype=dtype).element_size()
     count = max(2, total // (n_out * n_in * elem))
     ws = [prep(torch.randn(n_out, n_in, device=device, dtype=dtype)) for _ in range(count)]
     x = torch.randn(4, n_in, device=device, dtype=dtype)
-    t = best_time(lambda: [apply(x, w) for w in ws], device, repeats=3 if quick else 7)
+    t = best_time(lambda: [apply(x, w) for w in ws], device, repeats=3 if quick else 5)
     llc = last_level_cache(device)
     hot = ws[:max(1, (llc // 4) // (n_out * n_in * elem))]       # a quarter of the cache
-    t_hot = best_time(lambda: [apply(x, w) for w in hot], device, repeats=3 if quick else 7)
+    t_hot = best_time(lambda: [apply(x, w) for w in hot], device, repeats=3 if quick else 5)
     return {"gemm_flops": gemm, "gemv_bw": count * n_out * n_in * elem / t,
             "gemv_hot_bw": len(hot) * n_out * n_in * elem / t_hot, "llc_bytes": llc}
 
@@ -566,13 +667,13 @@ def measure_prepare(device, dtype, quick: bool) -> dict:
             for mats in layers:
                 held[0] = lane.submit(lambda m=mats: [PackedWeight(w) for w in m]).wait()
         nbytes = sum(w.numel() * elem for mats in layers for w in mats)
-        return nbytes / best_time(stream, device, 2 if quick else 5, median=True)
+        return nbytes / best_time(stream, device, 2 if quick else 3, median=True)
     out = {"layers": [], "big": []}
     try:
         for d in PREPARE_HIDDEN[:2] if quick else PREPARE_HIDDEN:
             shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
             size = sum(a * b for a, b in shapes) * elem
-            count = max(2, ((16 if quick else 128) * MB) // size)
+            count = max(2, ((16 if quick else 64) * MB) // size)
             layers = [[torch.randn(*s, dtype=dtype) for s in shapes] for _ in range(count)]
             out["layers"].append([size, rate(layers)])
         if not quick:
@@ -593,7 +694,7 @@ def measure_mem_bw(device, nbytes: int) -> float:
 def measure_quant(device, dtype, quick: bool) -> dict:
     """4-bit group quantisation (FlexGen's scheme) in full-precision bytes/s, each way."""
     from flexevict.core.kernels.quant import dequantize_4bit, quantize_4bit
-    rows = 1024 if quick else 4096
+    rows = 1024 if quick else 2048
     x = torch.randn(rows, 1024, device=device, dtype=dtype)
     p = quantize_4bit(x, dim=-1)
     nbytes = x.numel() * x.element_size()
@@ -657,13 +758,13 @@ def _tiny_steps(arch, layers, device, dtype, quick, **placement) -> tuple[float,
     p = Placement(num_gpu_batches=2, offload_dir=offload, **placement)
     engine = Engine.load(config, DummyWeights(config, 0), p, device, dtype)
     prompts = [[5] * 16, [7] * 16]
-    steps = 6 if quick else 12
+    steps = 6 if quick else 8
 
     def greedy(i, k, h, head):
         return head(h[:, -1] if h.dim() == 3 else h).argmax(dim=-1)
     try:
         prefill, decode = math.inf, math.inf
-        for _ in range(2 if quick else 3):
+        for _ in range(2):
             st = engine.run(prompts, steps, get_policy("full"), greedy).stats.step_seconds
             tail = sorted(st[2:])
             prefill, decode = min(prefill, st[0]), min(decode, tail[len(tail) // 2])
@@ -732,12 +833,12 @@ def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
         def attn():
             model.attention_half(w, h, inp, allocate(model, layout, b)[0], policy)
         mid = model.attention_half(w, h, inp, allocate(model, layout, b)[0], policy)
-        repeats = 3 if quick else 15
+        repeats = 3 if quick else 7
         return {"attn_s": best_time(attn, device, repeats),
                 "mlp_s": best_time(lambda: model.mlp_half(w, mid), device, repeats), **size}
 
 
-ENGINE_PROBE = {"layers": 6, "gpu_batch_size": 4, "num_gpu_batches": 2, "prompt": 128, "gen": 32}
+ENGINE_PROBE = {"layers": 6, "gpu_batch_size": 4, "num_gpu_batches": 2, "prompt": 128, "gen": 12}
 
 
 def engine_probe_config(arch: str):
@@ -755,8 +856,8 @@ def engine_probe_config(arch: str):
 def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
     """{placement: [prefill seconds, median decode step seconds]} of the real engine on the
     engine probe, for "memory" (all in memory) and "stream" (weights on the cpu tier): a
-    warm-up run, then the median of a run's steps after its first quarter (streaming settles
-    over a few steps: the allocator learns to recycle the reordered weights' buffers)."""
+    short warm-up run, then the median of a run's steps after its first quarter (streaming
+    settles over a few steps: the allocator learns to recycle the reordered weights' buffers)."""
     from flexevict.runtime.engine import Engine
     from flexevict.runtime.placement import Placement
     from flexevict.policies import get_policy
@@ -776,7 +877,7 @@ def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
         engine = Engine.load(config, DummyWeights(config, 0), p, device, dtype)
         try:
             steps = 8 if quick else e["gen"]
-            engine.run(prompts, 8, get_policy("full"), greedy)
+            engine.run([p[:16] for p in prompts], 2, get_policy("full"), greedy)    # warm-up
             st = engine.run(prompts, steps, get_policy("full"), greedy).stats.step_seconds
         finally:
             engine.close()
