@@ -23,14 +23,14 @@ def summary(cal: C.Calibration, device: torch.device, dtype: torch.dtype) -> str
     d = cal.device(device, dtype)
     gb, host, machine = 1e9, cal.data["host"], cal.data["machine"]
     measured = host.get("threads")
-    scaling = host.get("thread_scaling")
+    scaling = d.get("thread_scaling") if device.type == "cpu" else None
     threads = (f"measured at {measured} threads, shown for {cal.threads}" if measured else
                f"{machine.get('threads', '?')} threads")
     lines = [f"calibration of {machine['device']} (torch {machine['torch']}, {threads})"
              f"{' [synthetic]' if cal.synthetic else ''}"
              f"{' [quick]' if cal.quick else ''}: {cal.path}",
-             *([f"one thread vs {measured}: compute {scaling['compute']:.2f}x, memory "
-                f"{scaling['memory']:.2f}x the time"] if scaling else []),
+             *([f"one thread vs {measured}, the time: " + ", ".join(
+                 f"{kind} {ratio:.2f}x" for kind, ratio in scaling.items())] if scaling else []),
              "links GB/s: " + ", ".join(f"{k} {cal.link(k) / gb:.1f}" for k in cal.data["links"]),
              f"{device.type} {C.dtype_name(dtype)}: gemm {d['gemm_flops'] / 1e12:.2f} TFLOP/s, "
              f"gemv {d['gemv_bw'] / gb:.1f} GB/s, memory {d['mem_bw'] / gb:.1f} GB/s, "

@@ -34,9 +34,10 @@ their medians, the long ones the median of their own repeats; about 30 s on a qu
 `--quick` a few seconds.
 
 Everything is measured at one torch thread per core, plus how much longer a compute-bound and
-a memory-bound piece of work take on one thread (`measure_thread_scaling`): a run on fewer
-threads scales the CPU's constants by Amdahl's law through those two points (`for_threads`), so
-one calibration serves every --threads. The result is cached per machine (device name, torch
+a memory-bound piece of work take on one thread (`measure_thread_scaling`) and the engine's fixed
+costs on one thread: a run on fewer threads scales the CPU's constants by Amdahl's law through
+those two points and interpolates the fixed costs (`for_threads`), so one calibration serves
+every --threads. The result is cached per machine (device name, torch
 version) as JSON in $FLEXEVICT_CACHE_DIR, else $XDG_CACHE_HOME/flexevict/, else
 ~/.cache/flexevict/; commands that need it calibrate on first use (`bench` only when asked:
 an `auto` flag or --predict). `--calibration FILE` (plan, bench, generate, eval), or the
@@ -61,9 +62,10 @@ from flexevict.runtime.machine import device_name
 
 SCHEMA = 3       # 3: prefill attention with prompt scores is one fused pass
 MB = 1 << 20
-# Hidden sizes of the layers whose weights' prepare cost is measured (3 to 200 MB a layer: the
-# rate falls by half between 1024 and 1536, where a matrix passes glibc's mmap threshold).
-PREPARE_HIDDEN = (256, 768, 1024, 1536, 2048)
+# Hidden sizes of the layers whose weights' prepare cost is measured (27 to 108 MB a layer: the
+# rate falls by half between 1024 and 1536, where a matrix passes glibc's mmap threshold, and
+# is flat beyond either end: 3 and 12 MB layers measured as 27 MB's, 192 MB as 108 MB's).
+PREPARE_HIDDEN = (768, 1024, 1536)
 # Datasheet numbers for --synthetic (rates achievable in practice, about 60-85% of peak); the
 # overheads are typical CUDA-launch-bound values. Not measured: say so wherever used.
 SYNTHETIC = {
@@ -111,6 +113,11 @@ class Calibration:
         self.data, self.path, self.measure_ok = data, path, measure_ok
         self.steps, self.threads = steps, threads
 
+    def as_measured(self) -> "Calibration":
+        """This calibration at the thread count it was measured at (nothing scaled): where
+        the cost model fits its efficiency factors to the engine probe, a run of that count."""
+        return Calibration(self.data, self.path, self.measure_ok, self.steps, threads=None)
+
     @property
     def synthetic(self) -> bool:
         return bool(self.data.get("synthetic"))
@@ -123,8 +130,10 @@ class Calibration:
         """Bytes/s of a link; on a machine without a GPU every link is a host memcpy, which
         runs on the torch threads (scaled to them like the CPU's memory rates)."""
         rate = self.data["links"][name]
-        if self.data.get("gpu_memory_gb") is None and not name.startswith("disk"):
-            rate /= _thread_factors(self.data["host"], self.threads)["memory"]
+        cpu = [v for k, v in self.data.get("devices", {}).items() if k.startswith("cpu:")]
+        if self.data.get("gpu_memory_gb") is None and cpu and not name.startswith("disk"):
+            rate /= _thread_factors(cpu[0].get("thread_scaling"), self.data["host"].get(
+                "threads", 1), self.threads).get("elementwise", 1.0)
         return rate
 
     def host(self, name: str):
@@ -146,7 +155,7 @@ class Calibration:
             self.save()
         if kind != "cpu":
             return devices[key]
-        return for_threads(devices[key], _thread_factors(self.data["host"], self.threads))
+        return for_threads(devices[key], self.data["host"], self.threads)
 
     def policy(self, spec, device: torch.device, dtype: torch.dtype) -> dict:
         """Hook costs of a policy (name and arguments) on (device, dtype)."""
@@ -252,16 +261,17 @@ def _quiet(what: str) -> None:
 
 
 def planned(device: torch.device, quick: bool) -> int:
-    """How many Steps a first calibration of `device` takes: the machine's 5, the compute
+    """How many Steps a first calibration of `device` takes: the machine's 4, the compute
     device's, and on a GPU the CPU's too (for --cpu-cache-compute)."""
     cpu = device_steps("cpu", quick) if device.type == "cuda" else 0
-    return 5 + device_steps(device.type, quick) + cpu
+    return 4 + device_steps(device.type, quick) + cpu
 
 
 def device_steps(kind: str, quick: bool) -> int:
     """Steps of `measure_device` on a device of `kind`: one per round, 2 long ones, and on a
-    CPU the engine probe."""
-    return (1 if quick else ROUNDS) + 2 + (0 if kind == "cuda" else 1)
+    CPU the engine probe and (with more than one thread) the fixed costs on one thread."""
+    cpu = 0 if kind == "cuda" else 1 + (_cores() > 1)
+    return (1 if quick else ROUNDS) + 2 + cpu
 
 
 def read_file(path: str, threads: int | None = None) -> Calibration:
@@ -330,7 +340,7 @@ def _fit(xs, ts) -> tuple[float, float]:
 def measure_machine(device: torch.device, offload_dir: str | None, quick: bool,
                     step=_quiet) -> dict:
     """Links, disk and host constants (the compute sections come per device and dtype),
-    measured at torch's current thread count; step(what) is called before each of its 5
+    measured at torch's current thread count; step(what) is called before each of its 4
     steps."""
     step("host-device copies")
     links = measure_links(device, (32 if quick else 256) * MB)
@@ -342,15 +352,12 @@ def measure_machine(device: torch.device, offload_dir: str | None, quick: bool,
     parallel = measure_parallel(quick)
     step("one lane job")
     lane_job = measure_lane_job(device)
-    step(f"one thread against {torch.get_num_threads()}")
-    scaling = measure_thread_scaling(quick)
     return {"schema": SCHEMA, "quick": quick, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "gpu_memory_gb": gpu_gb,
             "links": {**links, **disk},
             "host_memory_gb": _mem_total_gb(),
             "host": {"cores": _cores(), "parallel": parallel,
                      "lane_job_s": lane_job, "threads": torch.get_num_threads(),
-                     "thread_scaling": scaling,
                      "disk_note": "read from the page cache through a fresh mapping of a "
                                   "just-written file (the cache cannot be dropped without root)"}}
 
@@ -459,13 +466,15 @@ def measure_lane_job(device: torch.device) -> float:
 
 def measure_thread_scaling(quick: bool) -> dict:
     """How much longer work takes on one torch thread than on the current count (one per
-    core): {"compute": t1 / tN of a prefill-shaped matrix product, "memory": t1 / tN of a
-    decode-shaped stream of weights larger than the caches}, each in [1, N]. One and N
-    threads alternate, three times, and each ratio is the median: a busy machine slows both."""
+    core), t1 / tN in [1, N] of: "compute", a prefill-shaped matrix product; "memory", a
+    decode-shaped stream of weights larger than the caches; "elementwise", a copy larger than
+    the caches. One thread, then N, back to back: a busy machine slows both. One sample per
+    round of `measure_device`, which keeps the median: a disturbance of a second or two that
+    hits the N-thread half looks like no scaling at all."""
     from flexevict.core.model import onednn_usable
     n = torch.get_num_threads()
     if n < 2:
-        return {"compute": 1.0, "memory": 1.0}
+        return dict.fromkeys(SCALING, 1.0)
     cpu = torch.device("cpu")
     prep, apply = _linear_op(cpu, torch.float32, onednn_usable(cpu, torch.float32))
     m, k = (256, 1024) if quick else (512, 2048)
@@ -473,23 +482,25 @@ def measure_thread_scaling(quick: bool) -> dict:
     # the engine's path: a plain x @ w.T at 4 rows runs on one thread whatever the count
     ws = [prep(torch.randn(3072, 768)) for _ in range(4 if quick else 12)]     # 9 MB each
     v = torch.randn(4, 768)
-    work = {"compute": lambda: apply(x, w), "memory": lambda: [apply(v, u) for u in ws]}
-    ratios = {name: [] for name in work}
-    for _ in range(3):
-        for name, fn in work.items():
-            with _threads(1):
-                one = best_time(fn, repeats=2)
-            ratios[name].append(one / best_time(fn, repeats=2))
-    return {name: min(max(_median(r), 1.0), float(n)) for name, r in ratios.items()}
+    a = torch.ones((8 if quick else 32) * MB // 4)
+    b = torch.empty_like(a)
+    work = {"compute": lambda: apply(x, w), "memory": lambda: [apply(v, u) for u in ws],
+            "elementwise": lambda: b.copy_(a)}
+    out = {}
+    for name, fn in work.items():
+        with _threads(1):
+            one = best_time(fn, repeats=2)
+        out[name] = min(max(one / best_time(fn, repeats=2), 1.0), float(n))
+    return out
 
 
-def _thread_factors(host: dict, threads: int | None) -> dict:
-    """{"compute", "memory"}: time on `threads` torch threads over time at the calibration's
-    thread count, by Amdahl's law (t = a + b / threads) through the two measured points (1
-    and N threads); more threads than N gain nothing. 1.0 without a measured scaling."""
-    scaling, n = host.get("thread_scaling"), host.get("threads", 1)
+def _thread_factors(scaling: dict | None, n: int, threads: int | None) -> dict:
+    """{kind: time on `threads` torch threads over time on the calibration's n} for each kind
+    of SCALING (`scaling`: `measure_thread_scaling`), by Amdahl's law (t = a + b / threads)
+    through the two measured points (1 and n threads); more threads than n gain nothing. 1.0
+    without a measurement."""
     if not scaling or not threads or threads == n or n < 2:
-        return {"compute": 1.0, "memory": 1.0}
+        return dict.fromkeys(SCALING, 1.0)
     t = min(max(threads, 1), n)
     out = {}
     for name, ratio in scaling.items():
@@ -498,34 +509,47 @@ def _thread_factors(host: dict, threads: int | None) -> dict:
     return out
 
 
-# a CPU section's rates (bytes or flop/s) and seconds, by the kind of work that sets them
-COMPUTE_RATES = ("gemm_flops", "sdpa_flops", "scored_attn_flops")
-MEMORY_RATES = ("gemv_bw", "gemv_hot_bw", "mem_bw", "quant_bw", "dequant_bw")
+# a CPU section's rates (bytes or flop/s), by the kind of work that sets them (the kinds of
+# `measure_thread_scaling`; "compute" also scales the probe's prefill halves, "memory" decode
+# attention, "elementwise" a CPU-only machine's links). Not the weight preparation table: a
+# streamed layer's reorder is bound by faulting in fresh pages, and measure_prepare gives the
+# same rates on one thread as on two.
+SCALING = {"compute": ("gemm_flops", "sdpa_flops", "scored_attn_flops"),
+           "memory": ("gemv_bw", "gemv_hot_bw"),
+           "elementwise": ("mem_bw", "quant_bw", "dequant_bw")}
 
 
-def for_threads(section: dict, factors: dict) -> dict:
-    """A CPU section (`measure_device`) scaled by `_thread_factors`: compute-bound rates and
-    times (products, prefill attention, prefill halves) by the compute factor, memory-bound ones
-    (streams, element-wise passes, the reorder, decode attention) by the memory factor; fixed
-    per-call costs (Python and dispatch) are the same on any thread count."""
-    fc, fm = factors["compute"], factors["memory"]
-    if fc == fm == 1.0:
+def for_threads(section: dict, host: dict, threads: int | None) -> dict:
+    """A CPU section (`measure_device`) for a run on `threads` torch threads (`host`: the
+    machine's record, with the thread count it was measured at). Compute-bound rates
+    and times (products, prefill attention, prefill halves) scale by the compute factor of
+    `_thread_factors`, memory-bound ones (weight streams, decode attention) by the memory
+    factor, element-wise passes by theirs (SCALING says which is which). The engine's fixed
+    costs per layer cell and lane job, which grow with the threads an op forks and joins, are
+    measured on one thread and on all, and interpolated in between. The engine probe stays as
+    measured: the cost model fits its efficiency factors at the measured count
+    (`Calibration.as_measured`)."""
+    factors = _thread_factors(section.get("thread_scaling"), host.get("threads", 1), threads)
+    if set(factors.values()) == {1.0} or "overhead_one_thread" not in section:
         return section
+    fc, fm = factors["compute"], factors["memory"]
     out = dict(section)
-    out.update({k: section[k] / fc for k in COMPUTE_RATES if k in section})
-    out.update({k: section[k] / fm for k in MEMORY_RATES if k in section})
-    out["prepare"] = {name: [[size, rate / fm] for size, rate in rows]
-                      for name, rows in (section.get("prepare") or {}).items()}
+    for kind, rates in SCALING.items():
+        out.update({k: section[k] / factors.get(kind, 1.0) for k in rates if k in section})
     attn = section["attn_decode"]
     out["attn_decode"] = {**attn, "per_unit_s": attn["per_unit_s"] * fm}
-    if "probe" in section:
-        out["probe"] = {arch: {**p, "attn_s": p["attn_s"] * fc, "mlp_s": p["mlp_s"] * fc}
-                        for arch, p in section["probe"].items()}
-    if "engine_probe" in section:       # [prefill s, decode step s]: compute, then memory
-        out["engine_probe"] = {
-            arch: {**e, **{run: [e[run][0] * fc, e[run][1] * fm] for run in ("memory", "stream")}}
-            for arch, e in section["engine_probe"].items()}
+    out["probe"] = {arch: {**p, "attn_s": p["attn_s"] * fc, "mlp_s": p["mlp_s"] * fc}
+                    for arch, p in section["probe"].items()}
+    n, t = host["threads"], min(max(threads, 1), host["threads"])
+    out["overhead"] = _between(section["overhead_one_thread"], section["overhead"],
+                               (t - 1) / (n - 1))
     return out
+
+
+def _between(one: dict, many: dict, f: float) -> dict:
+    """The nested dicts of seconds one and many, a fraction f of the way from one to many."""
+    return {k: _between(one[k], v, f) if isinstance(v, dict) else one[k] + f * (v - one[k])
+            for k, v in many.items()}
 
 
 # ---------------------------------------------------------------------------- compute
@@ -549,6 +573,11 @@ def measure_device(device: torch.device, dtype: torch.dtype, quick: bool, step=_
              lambda: measure_prepare(device, dtype, quick) if pack else {}),
             ("per-layer fixed costs", "overhead",
              lambda: {arch: measure_overheads(arch, device, dtype, quick) for arch in ARCHS})]
+    if device.type == "cpu" and torch.get_num_threads() > 1:
+        long.append(("per-layer fixed costs on one thread", "overhead_one_thread",
+                     lambda: _on_one_thread(lambda: {arch: measure_overheads(arch, device, dtype,
+                                                                            quick)
+                                                     for arch in ARCHS})))
     if device.type == "cpu":      # on a GPU a model this small is launch-bound
         long.append(("the engine on a small model", "engine_probe",
                      lambda: {arch: measure_engine_probe(arch, device, dtype, quick)
@@ -556,7 +585,8 @@ def measure_device(device: torch.device, dtype: torch.dtype, quick: bool, step=_
     out, rounds = {"pack": pack}, []
     for r in range(max(n_rounds, len(long))):
         if r < n_rounds:
-            step(f"products, bandwidth, quantization, attention, a layer ({kind}, round "
+            step(f"products, bandwidth, quantization, attention, a layer"
+                 f"{', one thread vs all' if device.type == 'cpu' else ''} ({kind}, round "
                  f"{r + 1}/{n_rounds})")
             rounds.append(_short_measurements(device, dtype, quick))
         if r < len(long):
@@ -566,9 +596,16 @@ def measure_device(device: torch.device, dtype: torch.dtype, quick: bool, step=_
     return out | _median_of(rounds)
 
 
+def _on_one_thread(measure):
+    with _threads(1):
+        return measure()
+
+
 def _short_measurements(device, dtype, quick: bool) -> dict:
     """One round of the measurements that take a second or two each."""
     out = measure_matmul(device, dtype, quick)
+    if device.type == "cpu":
+        out["thread_scaling"] = measure_thread_scaling(quick)
     out["mem_bw"] = measure_mem_bw(device, (32 if quick else 256) * MB)
     out.update(measure_quant(device, dtype, quick))
     out.update(measure_attention(device, dtype, quick))
@@ -838,7 +875,7 @@ def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
                 "mlp_s": best_time(lambda: model.mlp_half(w, mid), device, repeats), **size}
 
 
-ENGINE_PROBE = {"layers": 6, "gpu_batch_size": 4, "num_gpu_batches": 2, "prompt": 128, "gen": 12}
+ENGINE_PROBE = {"layers": 6, "gpu_batch_size": 4, "num_gpu_batches": 2, "prompt": 128, "gen": 6}
 
 
 def engine_probe_config(arch: str):
@@ -855,9 +892,10 @@ def engine_probe_config(arch: str):
 
 def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
     """{placement: [prefill seconds, median decode step seconds]} of the real engine on the
-    engine probe, for "memory" (all in memory) and "stream" (weights on the cpu tier): a
-    short warm-up run, then the median of a run's steps after its first quarter (streaming
-    settles over a few steps: the allocator learns to recycle the reordered weights' buffers)."""
+    engine probe, for "memory" (all in memory) and "stream" (weights on the cpu tier): two
+    runs, each its prefill and the median of its steps after the second (streaming settles
+    over a few steps: the allocator learns to recycle the reordered weights' buffers), and
+    the smaller of the two (the first run warms up; a disturbance rarely hits both)."""
     from flexevict.runtime.engine import Engine
     from flexevict.runtime.placement import Placement
     from flexevict.policies import get_policy
@@ -875,13 +913,14 @@ def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
         p = Placement(*percent, gpu_batch_size=e["gpu_batch_size"],
                       num_gpu_batches=e["num_gpu_batches"])
         engine = Engine.load(config, DummyWeights(config, 0), p, device, dtype)
+        runs = []
         try:
-            steps = 8 if quick else e["gen"]
-            engine.run([p[:16] for p in prompts], 2, get_policy("full"), greedy)    # warm-up
-            st = engine.run(prompts, steps, get_policy("full"), greedy).stats.step_seconds
+            for _ in range(2):
+                st = engine.run(prompts, e["gen"], get_policy("full"), greedy).stats.step_seconds
+                runs.append([st[0], _median(st[2:])])
         finally:
             engine.close()
-        out[label] = [st[0], _median(st[max(2, steps // 4):])]
+        out[label] = [min(r[0] for r in runs), min(r[1] for r in runs)]
     return out
 
 

@@ -308,8 +308,10 @@ class CostModel:
         from flexevict.runtime.placement import Placement
         from flexevict.policies import PolicySpec
         eff = {"prefill": 1.0, "decode": 1.0, "weights": 1.0}
-        m = CostModel(engine_probe_config(self.config.arch), self.cal, self.device, self.dtype,
-                      probe["prompt"], probe["gen"], PolicySpec("full"), efficiency=eff)
+        # fitted where the probe ran (the calibration's thread count), used at any count
+        m = CostModel(engine_probe_config(self.config.arch), self.cal.as_measured(), self.device,
+                      self.dtype, probe["prompt"], probe["gen"], PolicySpec("full"),
+                      efficiency=eff)
         shape = {"gpu_batch_size": probe["gpu_batch_size"],
                  "num_gpu_batches": probe["num_gpu_batches"]}
         n = probe["gpu_batch_size"] * probe["num_gpu_batches"]
