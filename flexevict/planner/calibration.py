@@ -128,7 +128,7 @@ class Calibration:
 
     def link(self, name: str) -> float:
         """Bytes/s of a link; on a machine without a GPU every link is a host memcpy, which
-        runs on the torch threads (scaled to them like the CPU's memory rates)."""
+        runs on the torch threads (scaled to them like the CPU's element-wise passes)."""
         rate = self.data["links"][name]
         cpu = [v for k, v in self.data.get("devices", {}).items() if k.startswith("cpu:")]
         if self.data.get("gpu_memory_gb") is None and cpu and not name.startswith("disk"):
@@ -569,15 +569,18 @@ def measure_device(device: torch.device, dtype: torch.dtype, quick: bool, step=_
     pack = onednn_usable(device, dtype)
     kind = f"{device.type} {dtype_name(dtype)}"
     n_rounds = 1 if quick else ROUNDS
+    def overheads():
+        return {arch: measure_overheads(arch, device, dtype, quick) for arch in ARCHS}
+
+    def overheads_on_one_thread():
+        with _threads(1):
+            return overheads()
     long = [("weight preparation", "prepare",
              lambda: measure_prepare(device, dtype, quick) if pack else {}),
-            ("per-layer fixed costs", "overhead",
-             lambda: {arch: measure_overheads(arch, device, dtype, quick) for arch in ARCHS})]
+            ("per-layer fixed costs", "overhead", overheads)]
     if device.type == "cpu" and torch.get_num_threads() > 1:
         long.append(("per-layer fixed costs on one thread", "overhead_one_thread",
-                     lambda: _on_one_thread(lambda: {arch: measure_overheads(arch, device, dtype,
-                                                                            quick)
-                                                     for arch in ARCHS})))
+                     overheads_on_one_thread))
     if device.type == "cpu":      # on a GPU a model this small is launch-bound
         long.append(("the engine on a small model", "engine_probe",
                      lambda: {arch: measure_engine_probe(arch, device, dtype, quick)
@@ -594,11 +597,6 @@ def measure_device(device: torch.device, dtype: torch.dtype, quick: bool, step=_
             step(f"{what} ({kind})")
             out[key] = measure()
     return out | _median_of(rounds)
-
-
-def _on_one_thread(measure):
-    with _threads(1):
-        return measure()
 
 
 def _short_measurements(device, dtype, quick: bool) -> dict:
