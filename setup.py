@@ -6,36 +6,36 @@ The CUDA extension (`flexevict._C`, sources in cuda/) is built ahead of time her
 CUDA build of torch is importable; otherwise it is compiled on first GPU use, from the sources
 installed with the package as `flexevict.cuda_sources` (package data).
 """
-import glob
+import importlib.util
 import os
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 # what of cuda/ is installed as flexevict.cuda_sources: everything a just-in-time build compiles
 CUDA_SOURCES = ["*.cu", "*.cuh", "*.h", "*.cpp", "README.md"]
 
 
 def cuda_extension() -> dict:
-    """flexevict._C, ahead of time, when a CUDA build of torch and a CUDA toolkit are present
-    (and FLEXEVICT_KERNELS is not 0): the cuda/*.cu kernels for sm_75, sm_80 and sm_90 plus
-    their binding. Otherwise nothing: the kernels are compiled on first GPU use instead, and
-    without a GPU the PyTorch reference runs."""
+    """flexevict._C, ahead of time, when a CUDA build of torch and nvcc are present (and
+    FLEXEVICT_KERNELS is not 0): the cuda/*.cu kernels for sm_75, sm_80 and sm_90 plus their
+    binding, built by flexevict/core/kernels/build.py, the same commands as the just-in-time
+    build. Otherwise nothing: the kernels are compiled on first GPU use instead, and without a
+    GPU the PyTorch reference runs."""
     if os.environ.get("FLEXEVICT_KERNELS") == "0":
         return {}
     try:
         import torch
-        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError:                      # e.g. an isolated build environment without torch
         return {}
-    if not torch.version.cuda or CUDA_HOME is None:
+    # loaded by path: the package itself is not importable while it is being installed
+    spec = importlib.util.spec_from_file_location("flexevict_build",
+                                                  "flexevict/core/kernels/build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    if not torch.version.cuda or build.find_nvcc() is None:
         return {}
-    major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
-    archs = ["75", "80"] + (["90"] if (major, minor) >= (11, 8) else [])
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    sources = sorted(glob.glob("cuda/*.cu")) + ["cuda/binding.cpp"]
-    ext = CUDAExtension("flexevict._C", sources=sources,
-                        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", *gencode]})
-    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}}
+    return {"ext_modules": [Extension("flexevict._C", sources=[])],
+            "cmdclass": {"build_ext": build.setup_command()}}
 
 
 setup(

@@ -64,8 +64,10 @@ H2O_30B = {32: [("0 100 0 100 0 100", 52, 14), ("20 80 0 100 0 100", 48, 16)],
 EAGER = ["--cuda-graphs", "false"]
 
 
-def case(name, model, prompt, gen, percent, gbs, nb, extra=(), policy=("full",), peer=None,
-         cut=None):
+def case(name, model, lengths, setting, extra=(), policy=("full",), peer=None, cut=None):
+    """One bench run: lengths (prompt, gen); setting (percent "w_gpu w_cpu ...", gpu batch size,
+    GPU batches); policy (name,) or (name, budget); peer: what to run side by side."""
+    (prompt, gen), (percent, gbs, nb) = lengths, setting
     argv = ["--model", model, "--prompt-len", str(prompt), "--gen-len", str(gen),
             "--percent", *percent.split(), "--gpu-batch-size", str(gbs),
             "--num-gpu-batches", str(nb), "--policy", policy[0], "--yes", *extra]
@@ -86,12 +88,12 @@ def suite_cpu():
         hf = {"kind": "hf", "model": model, "path": path}
         for label, percent in (("memory", "100 0 100 0 100 0"), ("weights-disk", "0 0 100 0 100 0"),
                                ("weights-cpu-cache-cpu", "0 100 0 100 100 0")):
-            cases.append(case(f"{model}-{label}-full", model, 128, 32, percent, 4, 2, extra,
+            cases.append(case(f"{model}-{label}-full", model, (128, 32), (percent, 4, 2), extra,
                               peer=hf if label == "memory" else None))
-        cases.append(case(f"{model}-memory-h2o-0.2", model, 128, 32, "100 0 100 0 100 0", 4, 2,
-                          extra, policy=("h2o", 0.2)))
-        cases.append(case(f"{model}-cache-cpu-compute-h2o-0.2", model, 128, 32,
-                          "100 0 0 100 100 0", 4, 2, extra + ["--cpu-cache-compute"],
+        cases.append(case(f"{model}-memory-h2o-0.2", model, (128, 32),
+                          ("100 0 100 0 100 0", 4, 2), extra, policy=("h2o", 0.2)))
+        cases.append(case(f"{model}-cache-cpu-compute-h2o-0.2", model, (128, 32),
+                          ("100 0 0 100 100 0", 4, 2), extra + ["--cpu-cache-compute"],
                           policy=("h2o", 0.2)))
     return cases
 
@@ -103,7 +105,7 @@ def suite_flexgen():
         model = "-".join(name.split("-")[:2])
         limit = ["--gpu-mem-limit", "16"]
         cut = None if model == "opt-6.7b" else 8            # FlexGen's suite projects these too
-        cases.append(case(name, model, 512, 32, percent, gbs, nb, limit + extra, cut=cut,
+        cases.append(case(name, model, (512, 32), (percent, gbs, nb), limit + extra, cut=cut,
                           peer={"kind": "flexgen"}))
     return cases
 
@@ -115,33 +117,34 @@ def suite_h2o():
             tag = f"opt-30b-512+{gen}-{percent.replace(' ', '-')}-bs{gbs * nb}"
             extra = ["--cpu-cache-compute", "--gpu-mem-limit", "16"]
             for pol in (("full",), ("h2o", 0.2)):
-                cases.append(case(f"{tag}-{pol[0]}", "opt-30b", 512, gen, percent, gbs, nb, extra,
-                                  policy=pol, cut=8))
-    long = ["--ignore-max-positions"]
+                cases.append(case(f"{tag}-{pol[0]}", "opt-30b", (512, gen), (percent, gbs, nb),
+                                  extra, policy=pol, cut=8))
+    long, lengths = ["--ignore-max-positions"], (2048, 2048)
     for bs in (24, 64):
         for pol in (("full",), ("h2o", 0.2)):
             # uncut: full's step grows with the context (a projection misses the curve), and
             # h2o's graphed steps capture one graph per ring position in their first lap
-            cases.append(case(f"opt-6.7b-2048+2048-bs{bs}-{pol[0]}", "opt-6.7b", 2048, 2048,
-                              "100 0 100 0 100 0", bs, 1, long, policy=pol))
+            cases.append(case(f"opt-6.7b-2048+2048-bs{bs}-{pol[0]}", "opt-6.7b", lengths,
+                              ("100 0 100 0 100 0", bs, 1), long, policy=pol))
     # h2o with every step eager: its eviction share and what the graphs save, side by side
-    cases.append(case("opt-6.7b-2048+2048-bs24-h2o-eager", "opt-6.7b", 2048, 2048,
-                      "100 0 100 0 100 0", 24, 1, long + EAGER, policy=("h2o", 0.2), cut=256))
+    cases.append(case("opt-6.7b-2048+2048-bs24-h2o-eager", "opt-6.7b", lengths,
+                      ("100 0 100 0 100 0", 24, 1), long + EAGER, policy=("h2o", 0.2), cut=256))
     return cases
 
 
 def suite_h2o_policies():
     """The seed policies at 20%, every step eager so that each one's eviction share is timed
     (graphed steps run the hooks untimed)."""
-    return [case(f"opt-6.7b-2048+2048-bs24-{p}", "opt-6.7b", 2048, 2048, "100 0 100 0 100 0", 24,
-                 1, ["--ignore-max-positions"] + EAGER, policy=(p, 0.2), cut=64)
+    return [case(f"opt-6.7b-2048+2048-bs24-{p}", "opt-6.7b", (2048, 2048),
+                 ("100 0 100 0 100 0", 24, 1), ["--ignore-max-positions"] + EAGER,
+                 policy=(p, 0.2), cut=64)
             for p in ("h2o", "buzz", "cascade", "hashevict", "vatp")]
 
 
 def suite_bound():
     """Decode with every weight streamed from pinned CPU memory: the step cannot beat
     bytes per step / host-to-device bandwidth (measured in the same run); goal >= 80%."""
-    return [case(f"{m}-weights-cpu-bs{b}", m, 512, 32, "0 100 100 0 100 0", b, 1, cut=16)
+    return [case(f"{m}-weights-cpu-bs{b}", m, (512, 32), ("0 100 100 0 100 0", b, 1), cut=16)
             for m in ("opt-6.7b", "opt-13b") for b in (8, 32)]
 
 
@@ -157,13 +160,13 @@ def suite_placement_cpu():
     cases = [{**c, "argv": c["argv"] + ["--threads", "1"], "peer": None} for c in suite_cpu()]
     for model, path in (("smollm2-135m", smol), ("opt-125m", None)):
         extra = ["--device", "cpu", "--threads", "1"] + (["--path", path] if path else [])
-        cases.append(case(f"{model}-weights-disk-h2o-0.2", model, 128, 32, "0 0 100 0 100 0", 4,
-                          2, extra, policy=("h2o", 0.2)))     # hand-written, fits the limit
+        cases.append(case(f"{model}-weights-disk-h2o-0.2", model, (128, 32),   # hand-written,
+                          ("0 0 100 0 100 0", 4, 2), extra, policy=("h2o", 0.2)))  # fits the limit
         for pol in (("full",), ("h2o", 0.2)):
             tag = "-".join(map(str, pol))
-            cases.append(case(f"{model}-auto-{tag}", model, 128, 32, "auto", 4, 2,
+            cases.append(case(f"{model}-auto-{tag}", model, (128, 32), ("auto", 4, 2),
                               extra + AUTO_FLAGS, policy=pol))
-            cases.append(case(f"{model}-auto-{tag}-limit", model, 128, 32, "auto", 4, 2,
+            cases.append(case(f"{model}-auto-{tag}-limit", model, (128, 32), ("auto", 4, 2),
                               extra + AUTO_FLAGS + ["--cpu-mem-limit", str(PLACEMENT_LIMIT_GB)],
                               policy=pol))
     return cases
@@ -175,7 +178,7 @@ def suite_recall():
     CPU (--cpu-cache-compute) and full streaming the whole cache to the GPU every step."""
     long = ["--ignore-max-positions"]
     cache_cpu = "100 0 0 100 100 0"
-    return [case(f"llama-3-8b-32768+32-bs4-{tag}", "llama-3-8b", 32768, 32, cache_cpu, 4, 1,
+    return [case(f"llama-3-8b-32768+32-bs4-{tag}", "llama-3-8b", (32768, 32), (cache_cpu, 4, 1),
                  long + extra, policy=pol, cut=16)
             for tag, pol, extra in (("recall", ("recall", 0.1), []),
                                     ("full-cpu-compute", ("full",), ["--cpu-cache-compute"]),

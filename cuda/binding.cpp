@@ -6,6 +6,8 @@
 
 #include <c10/core/DeviceGuard.h>
 
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "flexevict_kernels.h"
@@ -64,6 +66,15 @@ void raise_if(const char* err, const char* op) {
 struct Buf {
   Tensor k, v, score, state, pos, valid;
 
+  // The tensors of a flexevict.core.kv.KVBuffer, read by name and checked: a kernel call takes
+  // its buffer, not six tensors.
+  static Buf of(const pybind11::handle& buffer) {
+    auto get = [&](const char* name) { return buffer.attr(name).cast<Tensor>(); };
+    Buf buf{get("k"), get("v"), get("score"), get("state"), get("pos"), get("valid")};
+    buf.check();
+    return buf;
+  }
+
   void check() const {
     check_device(k, "buffer k", k);
     dtype_code(k, "buffer k");
@@ -89,9 +100,11 @@ struct Buf {
 
 // --------------------------------------------------------------------------------- ops
 
-void decode_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& valid,
-                      Tensor& out, Tensor& probs, const c10::optional<Tensor>& score, double scale,
-                      int64_t stream) {
+// -> out (rows, group, dim) in q's dtype, probs (rows, group, n) fp32.
+std::tuple<Tensor, Tensor> decode_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const Tensor& valid,
+                                            const c10::optional<Tensor>& score, double scale,
+                                            int64_t stream) {
   check_device(q, "q", q);
   const int dtype = dtype_code(q, "q");
   TORCH_CHECK_VALUE(q.dim() == 3, "flexevict._C: q must be (rows, group, dim) (got ", q.sizes(),
@@ -110,14 +123,6 @@ void decode_attention(const Tensor& q, const Tensor& k, const Tensor& v, const T
   check_dtype(valid, "valid", at::kBool);
   check_shape(valid, "valid", {n, rows});
   TORCH_CHECK_VALUE(valid.stride(1) == 1, "flexevict._C: valid must be contiguous per slot");
-  check_device(out, "out", q);
-  check_dtype(out, "out", q.scalar_type());
-  check_shape(out, "out", {rows, group, dim});
-  check_contiguous(out, "out");
-  check_device(probs, "probs", q);
-  check_dtype(probs, "probs", at::kFloat);
-  check_shape(probs, "probs", {rows, group, n});
-  check_contiguous(probs, "probs");
   FeDecodeAttention p{};
   if (score) {
     check_device(*score, "score", q);
@@ -130,6 +135,8 @@ void decode_attention(const Tensor& q, const Tensor& k, const Tensor& v, const T
     p.score_slot = score->stride(0);
   }
   c10::DeviceGuard guard(q.device());
+  Tensor out = at::empty({rows, group, dim}, q.options());
+  Tensor probs = at::empty({rows, group, n}, q.options().dtype(at::kFloat));
   p.dtype = dtype;
   p.rows = rows, p.group = group, p.n = n, p.dim = dim;
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
@@ -140,11 +147,13 @@ void decode_attention(const Tensor& q, const Tensor& k, const Tensor& v, const T
   p.valid_slot = valid.stride(0);
   p.scale = (float)scale;
   raise_if(fe_decode_attention(&p, as_stream(stream)), "decode_attention");
+  return {out, probs};
 }
 
-void prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
-                       const Tensor& valid, Tensor& out, Tensor& row_max, Tensor& row_sum,
-                       Tensor& colsum, double scale, int64_t stream) {
+// -> out (B, H, S, d) in q's dtype, colsum (B, Hk, S) fp32.
+std::tuple<Tensor, Tensor> prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const Tensor& mask, const Tensor& valid,
+                                             double scale, int64_t stream) {
   check_device(q, "q", q);
   const int dtype = dtype_code(q, "q");
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4, "flexevict._C: q, k, v must be (B, H, S, d)");
@@ -167,17 +176,11 @@ void prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v, const 
   check_dtype(valid, "valid", at::kBool);
   check_shape(valid, "valid", {b, s});
   TORCH_CHECK_VALUE(valid.stride(1) == 1, "flexevict._C: valid must be contiguous per row");
-  for (const auto& [t, name, dt, shape] :
-       {std::tuple{&out, "out", q.scalar_type(), std::vector<int64_t>{b, h, s, d}},
-        std::tuple{&row_max, "row_max", at::kFloat, std::vector<int64_t>{b, h, s}},
-        std::tuple{&row_sum, "row_sum", at::kFloat, std::vector<int64_t>{b, h, s}},
-        std::tuple{&colsum, "colsum", at::kFloat, std::vector<int64_t>{b, hk, s}}}) {
-    check_device(*t, name, q);
-    check_dtype(*t, name, dt);
-    check_shape(*t, name, shape);
-    check_contiguous(*t, name);
-  }
   c10::DeviceGuard guard(q.device());
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor out = at::empty({b, h, s, d}, q.options());
+  Tensor row_max = at::empty({b, h, s}, f32), row_sum = at::empty({b, h, s}, f32);
+  Tensor colsum = at::empty({b, hk, s}, f32);
   FePrefillAttention p{};
   p.dtype = dtype;
   p.batch = b, p.heads = h, p.kv_heads = hk, p.seq = s, p.dim = d;
@@ -193,18 +196,14 @@ void prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v, const 
   p.valid_b = valid.stride(0);
   p.scale = (float)scale;
   raise_if(fe_prefill_attention(&p, as_stream(stream)), "prefill_attention");
+  return {out, colsum};
 }
 
-// source: 0 score, 1 value tensor, 2 Hamming distance; commit: 0 none, 1 mask, 2 replace, 3 ring.
-Tensor select_commit(const Tensor& k, const Tensor& v, const Tensor& score, const Tensor& state,
-                     const Tensor& pos, const Tensor& valid, int64_t n_range, int64_t extra,
-                     const c10::optional<Tensor>& value, int64_t protect,
-                     const c10::optional<Tensor>& query_codes, const c10::optional<Tensor>& codes,
-                     int64_t commit, int64_t cursor, const c10::optional<Tensor>& victims_in,
-                     int64_t stream) {
-  const Buf buf{k, v, score, state, pos, valid};
-  buf.check();
-  const int64_t slots = k.size(0), rows = k.size(1);
+// Candidate slots [0, n_range) + {extra} (extra < 0: none) of `buffer`, the commit mode
+// (FeCommit) and the ring's cursor: what every selection shares.
+FeSelectCommit selection(const Buf& buf, int64_t n_range, int64_t extra, int64_t commit,
+                         int64_t cursor) {
+  const int64_t slots = buf.k.size(0);
   TORCH_CHECK_VALUE(n_range >= 0 && n_range <= slots && extra < slots && cursor < slots,
                     "flexevict._C: candidate slots out of range (", n_range, ", ", extra,
                     ", cursor ", cursor, ") for ", slots, " slots");
@@ -212,60 +211,83 @@ Tensor select_commit(const Tensor& k, const Tensor& v, const Tensor& score, cons
                     "flexevict._C: unknown commit mode ", commit);
   TORCH_CHECK_VALUE(commit != FE_COMMIT_RING || cursor >= 0,
                     "flexevict._C: ring commit needs a cursor");
-  const int64_t ncand = n_range + (extra >= 0 ? 1 : 0);
   FeSelectCommit p{};
   p.source = FE_VALUE_SCORE;
+  p.n_range = n_range, p.extra = extra, p.commit = (int)commit, p.cursor = cursor;
+  return p;
+}
+
+// Launch a filled-in selection on the buffer -> victims (rows,) int64.
+Tensor launch_selection(const Buf& buf, FeSelectCommit& p, int64_t stream) {
+  const int64_t rows = buf.k.size(1);
+  TORCH_CHECK_VALUE(p.victims_in || p.n_range + (p.extra >= 0 ? 1 : 0) > 0,
+                    "flexevict._C: no candidate slot to choose a victim from");
+  Tensor victims = at::empty({rows}, buf.k.options().dtype(at::kLong));
+  c10::DeviceGuard guard(buf.k.device());
+  p.dtype = dtype_code(buf.k, "buffer k");
+  p.rows = rows, p.dim = buf.k.size(2), p.slots = buf.k.size(0);
+  p.k = buf.k.data_ptr(), p.v = buf.v.data_ptr();
+  p.score = buf.score.data_ptr<float>(), p.state = buf.state.data_ptr<float>();
+  p.pos = buf.pos.data_ptr<int32_t>();
+  p.valid = reinterpret_cast<uint8_t*>(buf.valid.data_ptr<bool>());
+  p.victims_out = victims.data_ptr<int64_t>();
+  raise_if(fe_select_commit(&p, as_stream(stream)), "select_commit");
+  return victims;
+}
+
+// The lowest of the buffer's score (or of `value` (candidates, rows) fp32) among the candidate
+// slots, or the given `victims` (rows,) int64, then the commit -> victims.
+Tensor select_commit(const pybind11::handle& buffer, int64_t n_range, int64_t extra,
+                     const c10::optional<Tensor>& value, int64_t commit, int64_t cursor,
+                     const c10::optional<Tensor>& victims, int64_t stream) {
+  const Buf buf = Buf::of(buffer);
+  FeSelectCommit p = selection(buf, n_range, extra, commit, cursor);
   if (value) {
-    check_device(*value, "value", k);
+    check_device(*value, "value", buf.k);
     check_dtype(*value, "value", at::kFloat);
-    check_shape(*value, "value", {ncand, rows});
+    check_shape(*value, "value", {n_range + (extra >= 0 ? 1 : 0), buf.k.size(1)});
     check_contiguous(*value, "value");
     p.source = FE_VALUE_TENSOR;
     p.value = value->data_ptr<float>();
   }
-  if (query_codes) {
-    TORCH_CHECK_VALUE(!value, "flexevict._C: pass either value or query_codes, not both");
-    check_device(*query_codes, "query_codes", k);
-    check_dtype(*query_codes, "query_codes", at::kLong);
-    check_contiguous(*query_codes, "query_codes");
-    TORCH_CHECK_VALUE(query_codes->dim() == 3 && query_codes->size(0) == rows,
-                      "flexevict._C: query_codes must be (rows, group, words) (got ",
-                      query_codes->sizes(), ")");
-    p.source = FE_VALUE_HAMMING;
-    p.query_codes = query_codes->data_ptr<int64_t>();
-    p.query_group = query_codes->size(1), p.words = query_codes->size(2);
-    if (codes) {
-      check_device(*codes, "codes", k);
-      check_dtype(*codes, "codes", at::kLong);
-      check_contiguous(*codes, "codes");
-      check_shape(*codes, "codes", {slots, rows, p.words});
-      p.codes = codes->data_ptr<int64_t>();
-    } else {
-      TORCH_CHECK_VALUE(p.words == 1,
-                        "flexevict._C: codes kept in state hold one word; pass codes");
-    }
+  if (victims) {
+    check_device(*victims, "victims", buf.k);
+    check_dtype(*victims, "victims", at::kLong);
+    check_shape(*victims, "victims", {buf.k.size(1)});
+    check_contiguous(*victims, "victims");
+    p.victims_in = victims->data_ptr<int64_t>();
   }
-  if (victims_in) {
-    check_device(*victims_in, "victims", k);
-    check_dtype(*victims_in, "victims", at::kLong);
-    check_shape(*victims_in, "victims", {rows});
-    check_contiguous(*victims_in, "victims");
-    p.victims_in = victims_in->data_ptr<int64_t>();
+  return launch_selection(buf, p, stream);
+}
+
+// HashEvict: per row, the candidate (slots [0, n_range) + {extra}, the first `protect` kept)
+// whose key codes are farthest in Hamming distance from the query codes (rows, group, words)
+// int64, masked out for this step -> victims. codes (slots, rows, words), or None when each
+// slot's one-word code is kept in the buffer's state.
+Tensor hash_select(const pybind11::handle& buffer, int64_t n_range, int64_t extra,
+                   int64_t protect, const Tensor& query_codes,
+                   const c10::optional<Tensor>& codes, int64_t stream) {
+  const Buf buf = Buf::of(buffer);
+  FeSelectCommit p = selection(buf, n_range, extra, FE_COMMIT_MASK, extra);
+  check_device(query_codes, "query_codes", buf.k);
+  check_dtype(query_codes, "query_codes", at::kLong);
+  check_contiguous(query_codes, "query_codes");
+  TORCH_CHECK_VALUE(query_codes.dim() == 3 && query_codes.size(0) == buf.k.size(1),
+                    "flexevict._C: query_codes must be (rows, group, words) (got ",
+                    query_codes.sizes(), ")");
+  p.source = FE_VALUE_HAMMING, p.protect = protect;
+  p.query_codes = query_codes.data_ptr<int64_t>();
+  p.query_group = query_codes.size(1), p.words = query_codes.size(2);
+  if (codes) {
+    check_device(*codes, "codes", buf.k);
+    check_dtype(*codes, "codes", at::kLong);
+    check_contiguous(*codes, "codes");
+    check_shape(*codes, "codes", {buf.k.size(0), buf.k.size(1), p.words});
+    p.codes = codes->data_ptr<int64_t>();
   } else {
-    TORCH_CHECK_VALUE(ncand > 0, "flexevict._C: no candidate slot to choose a victim from");
+    TORCH_CHECK_VALUE(p.words == 1, "flexevict._C: codes kept in state hold one word; pass codes");
   }
-  Tensor victims = at::empty({rows}, k.options().dtype(at::kLong));
-  c10::DeviceGuard guard(k.device());
-  p.dtype = dtype_code(k, "buffer k");
-  p.rows = rows, p.dim = k.size(2), p.slots = slots;
-  p.k = k.data_ptr(), p.v = v.data_ptr();
-  p.score = score.data_ptr<float>(), p.state = state.data_ptr<float>();
-  p.pos = pos.data_ptr<int32_t>(), p.valid = reinterpret_cast<uint8_t*>(valid.data_ptr<bool>());
-  p.n_range = n_range, p.extra = extra, p.protect = protect;
-  p.commit = (int)commit, p.cursor = cursor;
-  p.victims_out = victims.data_ptr<int64_t>();
-  raise_if(fe_select_commit(&p, as_stream(stream)), "select_commit");
-  return victims;
+  return launch_selection(buf, p, stream);
 }
 
 void lsh_hash(const Tensor& x, const Tensor& proj, Tensor& codes, int64_t stream) {
@@ -290,13 +312,16 @@ void lsh_hash(const Tensor& x, const Tensor& proj, Tensor& codes, int64_t stream
            "lsh_hash");
 }
 
+// The prompt k, v (S, rows, dim), pos, valid, scores, rank (S, rows) into `buffer`'s prefix and
+// ring (its layout's regions).
 void compact_prompt(const Tensor& k, const Tensor& v, const Tensor& pos, const Tensor& valid,
-                    const c10::optional<Tensor>& scores, const Tensor& rank, int64_t prefix,
-                    int64_t ring, const Tensor& out_k, const Tensor& out_v,
-                    const Tensor& out_score, const Tensor& out_state, const Tensor& out_pos,
-                    const Tensor& out_valid, int64_t stream) {
-  const Buf buf{out_k, out_v, out_score, out_state, out_pos, out_valid};
-  buf.check();
+                    const c10::optional<Tensor>& scores, const Tensor& rank,
+                    const pybind11::handle& buffer, int64_t stream) {
+  const Buf buf = Buf::of(buffer);
+  const Tensor &out_k = buf.k, &out_v = buf.v;
+  const pybind11::object layout = buffer.attr("layout");
+  const auto prefix = layout.attr("prefix").cast<int64_t>();
+  const auto ring = layout.attr("ring").cast<int64_t>();
   TORCH_CHECK_VALUE(k.dim() == 3, "flexevict._C: k must be (S, rows, dim) (got ", k.sizes(), ")");
   const int64_t s = k.size(0), rows = out_k.size(1), dim = out_k.size(2);
   TORCH_CHECK_VALUE(prefix >= 0 && ring >= 0 && prefix + ring <= out_k.size(0) && prefix + ring < s,
@@ -333,17 +358,17 @@ void compact_prompt(const Tensor& k, const Tensor& v, const Tensor& pos, const T
   p.rank = rank.data_ptr<float>();
   p.k_slot = k.stride(0), p.k_row = k.stride(1), p.v_slot = v.stride(0), p.v_row = v.stride(1);
   p.out_k = out_k.data_ptr(), p.out_v = out_v.data_ptr();
-  p.out_score = out_score.data_ptr<float>(), p.out_state = out_state.data_ptr<float>();
-  p.out_pos = out_pos.data_ptr<int32_t>();
-  p.out_valid = reinterpret_cast<uint8_t*>(out_valid.data_ptr<bool>());
+  p.out_score = buf.score.data_ptr<float>(), p.out_state = buf.state.data_ptr<float>();
+  p.out_pos = buf.pos.data_ptr<int32_t>();
+  p.out_valid = reinterpret_cast<uint8_t*>(buf.valid.data_ptr<bool>());
   raise_if(fe_compact_prompt(&p, as_stream(stream)), "compact_prompt");
 }
 
-Tensor buzz_pass(const Tensor& k, const Tensor& v, const Tensor& score, const Tensor& state,
-                 const Tensor& pos, const Tensor& valid, int64_t n, int64_t sinks, int64_t window,
+Tensor buzz_pass(const pybind11::handle& buffer, int64_t n, int64_t sinks, int64_t window,
                  int64_t threshold, int64_t stride, int64_t stream) {
-  const Buf buf{k, v, score, state, pos, valid};
-  buf.check();
+  const Buf buf = Buf::of(buffer);
+  const Tensor &k = buf.k, &v = buf.v, &score = buf.score, &state = buf.state, &pos = buf.pos,
+               &valid = buf.valid;
   TORCH_CHECK_VALUE(n >= 0 && n <= k.size(0), "flexevict._C: n (", n, ") exceeds the buffer's ",
                     k.size(0), " slots");
   TORCH_CHECK_VALUE(stride >= 1 && sinks >= 0 && window >= 0,
@@ -362,15 +387,22 @@ Tensor buzz_pass(const Tensor& k, const Tensor& v, const Tensor& score, const Te
   return kept;
 }
 
-// -> each move's destination slot (levels + 1, rows), for the buffer's dirty tracking.
-Tensor cascade_update(const Tensor& k, const Tensor& v, const Tensor& score, const Tensor& state,
-                      const Tensor& pos, const Tensor& valid, const Tensor& probs,
-                      const Tensor& start, const Tensor& count, const Tensor& sizes,
-                      const Tensor& done, int64_t sinks, int64_t kv_heads, double gamma,
-                      double rate, int64_t reduce, bool tie_replace, bool eager_fill,
+// Cascade's step on `buffer` (its kv_heads per sequence) with the sub-caches' start, count
+// (levels, rows) and sizes (levels,) int64, under `rule` (flexevict.core.kernels.CascadeRule:
+// sinks, gamma, reduce, tie_replace, eager_fill) -> each move's destination slot
+// (levels + 1, rows), for the buffer's dirty tracking.
+Tensor cascade_update(const pybind11::handle& buffer, const Tensor& probs, const Tensor& start,
+                      const Tensor& count, const Tensor& sizes, const pybind11::handle& rule,
                       int64_t stream) {
-  const Buf buf{k, v, score, state, pos, valid};
-  buf.check();
+  const Buf buf = Buf::of(buffer);
+  const Tensor &k = buf.k, &v = buf.v, &score = buf.score, &state = buf.state, &pos = buf.pos,
+               &valid = buf.valid;
+  const auto kv_heads = buffer.attr("kv_heads").cast<int64_t>();
+  const auto sinks = rule.attr("sinks").cast<int64_t>();
+  const auto gamma = rule.attr("gamma").cast<double>();
+  const auto reduction = rule.attr("reduce").cast<std::string>();
+  const int reduce = reduction == "mean" ? FE_REDUCE_MEAN : reduction == "max" ? FE_REDUCE_MAX
+                     : reduction == "median" ? FE_REDUCE_MEDIAN : -1;
   const int64_t slots = k.size(0), rows = k.size(1);
   check_device(probs, "probs", k);
   check_dtype(probs, "probs", at::kFloat);
@@ -390,11 +422,8 @@ Tensor cascade_update(const Tensor& k, const Tensor& v, const Tensor& score, con
   }
   TORCH_CHECK_VALUE(kv_heads >= 1 && rows % kv_heads == 0, "flexevict._C: rows (", rows,
                     ") must be a multiple of kv_heads (", kv_heads, ")");
-  check_device(done, "done", k);
-  check_dtype(done, "done", at::kInt);
-  check_shape(done, "done", {rows / kv_heads});
-  TORCH_CHECK_VALUE(reduce >= FE_REDUCE_MEAN && reduce <= FE_REDUCE_MEDIAN,
-                    "flexevict._C: unknown reduction ", reduce);
+  TORCH_CHECK_VALUE(reduce >= 0, "flexevict._C: unknown reduction ", reduction);
+  Tensor done = at::zeros({rows / kv_heads}, k.options().dtype(at::kInt));
   Tensor moved_to = at::empty({levels + 1, rows}, k.options().dtype(at::kLong));
   c10::DeviceGuard guard(k.device());
   FeCascadeUpdate p{};
@@ -408,15 +437,18 @@ Tensor cascade_update(const Tensor& k, const Tensor& v, const Tensor& score, con
   p.start = start.data_ptr<int64_t>(), p.count = count.data_ptr<int64_t>();
   p.sizes = sizes.data_ptr<int64_t>(), p.done = done.data_ptr<int32_t>();
   p.moved_to = moved_to.data_ptr<int64_t>();
-  p.gamma = (float)gamma, p.rate = (float)rate;
-  p.reduce = (int)reduce, p.tie_replace = tie_replace, p.eager_fill = eager_fill;
+  p.gamma = (float)gamma, p.rate = (float)(1.0 - gamma);
+  p.reduce = reduce;
+  p.tie_replace = rule.attr("tie_replace").cast<bool>();
+  p.eager_fill = rule.attr("eager_fill").cast<bool>();
   raise_if(fe_cascade_update(&p, as_stream(stream)), "cascade_update");
   return moved_to;
 }
 
-// x viewed as (outer, length, inner), grouped along length.
-void quantize_4bit(const Tensor& x, int64_t outer, int64_t length, int64_t inner, int64_t group,
-                   Tensor& packed, Tensor& mins, Tensor& scales, int64_t stream) {
+// x viewed as (outer, length, inner), grouped along length -> packed (outer, padded / 2, inner)
+// uint8, mins and scales (outer, groups, inner) in x's dtype.
+std::tuple<Tensor, Tensor, Tensor> quantize_4bit(const Tensor& x, int64_t outer, int64_t length,
+                                                 int64_t inner, int64_t group, int64_t stream) {
   check_device(x, "x", x);
   const int dtype = dtype_code(x, "x");
   check_contiguous(x, "x");
@@ -425,51 +457,44 @@ void quantize_4bit(const Tensor& x, int64_t outer, int64_t length, int64_t inner
   TORCH_CHECK_VALUE(group >= 2 && group % 2 == 0, "flexevict._C: group must be even (got ", group,
                     ")");
   const int64_t groups = (length + group - 1) / group;
-  check_device(packed, "packed", x);
-  check_dtype(packed, "packed", at::kByte);
-  check_contiguous(packed, "packed");
-  TORCH_CHECK_VALUE(packed.numel() == outer * groups * group / 2 * inner,
-                    "flexevict._C: packed has the wrong size");
-  for (const auto& [t, name] : {std::pair{&mins, "mins"}, std::pair{&scales, "scales"}}) {
-    check_device(*t, name, x);
-    check_dtype(*t, name, x.scalar_type());
-    check_contiguous(*t, name);
-    TORCH_CHECK_VALUE(t->numel() == outer * groups * inner, "flexevict._C: ", name,
-                      " has the wrong size");
-  }
   c10::DeviceGuard guard(x.device());
+  Tensor packed = at::empty({outer, groups * group / 2, inner}, x.options().dtype(at::kByte));
+  Tensor mins = at::empty({outer, groups, inner}, x.options());
+  Tensor scales = at::empty({outer, groups, inner}, x.options());
   raise_if(fe_quantize_4bit(dtype, x.data_ptr(), outer, length, inner, group,
                             packed.data_ptr<uint8_t>(), mins.data_ptr(), scales.data_ptr(),
                             as_stream(stream)),
            "quantize_4bit");
+  return {packed, mins, scales};
 }
 
-void dequantize_4bit(const Tensor& packed, const Tensor& mins, const Tensor& scales,
-                     int64_t outer, int64_t length, int64_t inner, int64_t group, Tensor& out,
-                     int64_t stream) {
-  check_device(out, "out", out);
-  const int dtype = dtype_code(out, "out");
-  check_contiguous(out, "out");
-  TORCH_CHECK_VALUE(out.numel() == outer * length * inner, "flexevict._C: out has the wrong size");
+// -> (outer, length, inner) in the dtype of mins and scales.
+Tensor dequantize_4bit(const Tensor& packed, const Tensor& mins, const Tensor& scales,
+                       int64_t outer, int64_t length, int64_t inner, int64_t group,
+                       int64_t stream) {
+  check_device(mins, "mins", mins);
+  const int dtype = dtype_code(mins, "mins");
   TORCH_CHECK_VALUE(group >= 2 && group % 2 == 0, "flexevict._C: group must be even (got ", group,
                     ")");
   const int64_t groups = (length + group - 1) / group;
-  check_device(packed, "packed", out);
+  check_device(packed, "packed", mins);
   check_dtype(packed, "packed", at::kByte);
   check_contiguous(packed, "packed");
   TORCH_CHECK_VALUE(packed.numel() == outer * groups * group / 2 * inner,
                     "flexevict._C: packed has the wrong size");
   for (const auto& [t, name] : {std::pair{&mins, "mins"}, std::pair{&scales, "scales"}}) {
-    check_device(*t, name, out);
-    check_dtype(*t, name, out.scalar_type());
+    check_device(*t, name, mins);
+    check_dtype(*t, name, mins.scalar_type());
     check_contiguous(*t, name);
     TORCH_CHECK_VALUE(t->numel() == outer * groups * inner, "flexevict._C: ", name,
                       " has the wrong size");
   }
-  c10::DeviceGuard guard(out.device());
+  c10::DeviceGuard guard(mins.device());
+  Tensor out = at::empty({outer, length, inner}, mins.options());
   raise_if(fe_dequantize_4bit(dtype, packed.data_ptr<uint8_t>(), mins.data_ptr(), scales.data_ptr(),
                               outer, length, inner, group, out.data_ptr(), as_stream(stream)),
            "dequantize_4bit");
+  return out;
 }
 
 // table (N, ...) on the GPU or in pinned host memory; rows (n, ...) on the GPU with table's row
@@ -522,6 +547,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
   m.def("prefill_attention", &prefill_attention);
   m.def("select_commit", &select_commit);
+  m.def("hash_select", &hash_select);
   m.def("lsh_hash", &lsh_hash);
   m.def("compact_prompt", &compact_prompt);
   m.def("buzz_pass", &buzz_pass);

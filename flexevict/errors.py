@@ -3,15 +3,43 @@
 Every mistake a user can make (unknown model, bad budget, missing weight file, over-long prompt,
 malformed input) raises `UserError`. The CLIs turn it into one line on stderr and exit code 2,
 without a traceback; library callers can catch it like any exception.
+
+A message names a setting through `setting("budget_tokens")`, never as a flag: a library caller
+reads the parameter's name (`budget_tokens`), a command-line user the flag (`--budget-tokens`),
+as `cli_errors` renders it. One message, two readers, and no CLI words below the CLI.
 """
+import re
 import signal
 import sys
 import threading
 from contextlib import contextmanager
 
 
+_SETTING = re.compile("\u27e8([a-z0-9_]+)\u27e9")    # setting("x") -> "\u27e8x\u27e9"
+# settings whose flag is not the parameter's name with dashes: {parameter: flag}
+FLAGS = {"policy_args": "--policy-arg"}
+
+
+def setting(name: str) -> str:
+    """A setting's name inside a UserError message (`name`: the library's parameter name), shown
+    as that name, or as its flag under `cli_errors`."""
+    return f"\u27e8{name}\u27e9"
+
+
+def as_flag(name: str) -> str:
+    return FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
 class UserError(Exception):
-    """A problem with the user's input or environment, with the fix in the message."""
+    """A problem with the user's input or environment, with the fix in the message (settings
+    named by `setting`)."""
+
+    def __str__(self) -> str:
+        return _SETTING.sub(lambda m: m.group(1), super().__str__())
+
+    def for_cli(self) -> str:
+        """The message as a command-line user reads it: settings as their flags."""
+        return _SETTING.sub(lambda m: as_flag(m.group(1)), super().__str__())
 
 
 class Terminated(BaseException):
@@ -27,7 +55,7 @@ def cli_errors(prog: str):
     try:
         yield
     except UserError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e.for_cli()}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -220,7 +220,7 @@ class RingPolicy(Policy):
         if k.shape[0] <= buf.capacity:
             return buf.store_prompt(k, v, pos, valid, scores)
         rank = self.prefix_rank(buf, scores, k, v, pos, valid)
-        kernels.compact_prompt(buf, k, v, pos, valid, scores, rank, lay.prefix, lay.ring)
+        kernels.compact_prompt(buf, k, v, pos, valid, scores, rank)
 
     def after_attention(self, buf, slot, probs, scored=False):
         self.accumulate(buf, slot, probs, scored)

@@ -49,13 +49,11 @@ import torch
 
 from flexevict.core import kernels
 from flexevict.errors import UserError
-from flexevict.core.kernels import SubCaches, reduce_heads
+from flexevict.core.kernels import REDUCTIONS, CascadeRule, SubCaches, reduce_heads
 from flexevict.core.kv import Field, Layout, left_aligned
 
 from flexevict.policies.registry import register
 from flexevict.policies.base import Policy
-
-REDUCTIONS = ("mean", "max", "median")
 
 
 @dataclass(frozen=True)
@@ -289,5 +287,9 @@ class Cascade(Policy):
         if not lay.evicts or slot != buf.scratch:
             return buf.commit_appended(slot)
         # EMA of every non-sink slot (new token included), then Algorithm 1: one launch on a GPU
-        kernels.cascade_update(buf, self.subcaches(buf), probs, self.sinks, lay.gamma,
-                               self.reduce, sum(lay.sizes), self.tie_replace, self.eager_fill)
+        kernels.cascade_update(buf, self.subcaches(buf), probs, self.rule(lay))
+
+    def rule(self, layout: CascadeLayout) -> CascadeRule:
+        """The decode step's arguments, resolved for a run of `layout`."""
+        return CascadeRule(self.sinks, layout.gamma, self.reduce, sum(layout.sizes),
+                           self.tie_replace, self.eager_fill)

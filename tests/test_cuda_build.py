@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from flexevict.core.kernels import build
+from flexevict.core.kernels import CascadeRule, build
+from flexevict.core.kv import KVBuffer, Layout
 
 NVCC, CXX = build.find_nvcc(), build.find_cxx()
 UNITS = sorted(p.name for p in build.SOURCE_DIR.glob("*.cu"))
@@ -83,16 +84,29 @@ def test_extension_links_imports_and_rejects_bad_arguments(built):
 
     q, k = torch.zeros(2, 1, 4), torch.zeros(3, 2, 4)
     valid = torch.ones(3, 2, dtype=torch.bool)
-    calls = {
-        "q must be a CUDA tensor": lambda: ext.decode_attention(
-            q, k, k, valid, torch.zeros(2, 1, 4), torch.zeros(2, 1, 3), None, 1.0, 0),
-        "buffer k must be a CUDA tensor": lambda: ext.select_commit(
-            k, k, valid.float(), valid.float(), valid.int(), valid, 1, -1, None, 0, None, None,
-            3, 0, None, 0),
-        "x must be a CUDA tensor": lambda: ext.quantize_4bit(
-            k, 1, 24, 1, 64, torch.zeros(32, dtype=torch.uint8), k, k, 0),
-    }
-    for expected, call in calls.items():
+    buf = KVBuffer(Layout(3, prefix=1, ring=1), 2, 4, torch.float32, "cpu")   # a CPU buffer
+    rule = CascadeRule(sinks=1, gamma=0.5, reduce="mean", window=1)
+    index = torch.zeros(2, dtype=torch.long)
+    calls = [   # every binding, called as flexevict.core.kernels calls it (one CPU input each)
+        ("q must be a CUDA tensor", lambda: ext.decode_attention(q, k, k, valid, None, 1.0, 0)),
+        ("q must be a CUDA tensor", lambda: ext.prefill_attention(
+            k[None], k[None], k[None], torch.ones(1, 1, 2, 2, dtype=torch.bool),
+            torch.ones(1, 2, dtype=torch.bool), 1.0, 0)),
+        ("buffer k must be a CUDA tensor",
+         lambda: ext.select_commit(buf, 1, -1, None, 3, 0, None, 0)),
+        ("buffer k must be a CUDA tensor", lambda: ext.hash_select(
+            buf, 1, 1, 0, torch.zeros(2, 1, 1, dtype=torch.long), None, 0)),
+        ("buffer k must be a CUDA tensor", lambda: ext.compact_prompt(
+            k, k, valid.int(), valid, None, valid.float(), buf, 0)),
+        ("buffer k must be a CUDA tensor", lambda: ext.buzz_pass(buf, 2, 1, 1, 1, 1, 0)),
+        ("buffer k must be a CUDA tensor", lambda: ext.cascade_update(
+            buf, torch.zeros(2, 1, 3), index[None], index[None], index[:1], rule, 0)),
+        ("x must be a CUDA tensor", lambda: ext.quantize_4bit(k, 1, 24, 1, 64, 0)),
+        ("mins must be a CUDA tensor", lambda: ext.dequantize_4bit(
+            torch.zeros(12, dtype=torch.uint8), k, k, 1, 24, 1, 64, 0)),
+        ("rows must be a CUDA tensor", lambda: ext.copy_rows(k, k, index, False, 0)),
+    ]
+    for expected, call in calls:
         with pytest.raises(ValueError) as info:
             call()
         message = str(info.value)
@@ -207,3 +221,26 @@ def test_an_installed_package_finds_its_cuda_sources(tmp_path):
     assert names.split() == UNITS + ["binding.cpp"]
     for header in ("common.cuh", "flexevict_kernels.h"):        # what the units include
         assert (site / "flexevict" / "cuda_sources" / header).is_file()
+
+
+def test_setup_builds_with_the_same_commands(tmp_path, monkeypatch):
+    """setup.py's build_ext runs `build.build` for sm_75/80/90 (the just-in-time build's
+    commands: one build path) and puts the library where setuptools installs flexevict._C."""
+    from setuptools import Distribution, Extension
+    calls = []
+
+    def fake_build(out, name, archs):
+        calls.append((name, tuple(archs)))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "lib.so").write_bytes(b"built")
+        return out / "lib.so"
+    monkeypatch.setattr(build, "build", fake_build)
+    extension = Extension("flexevict._C", sources=[])
+    command = build.setup_command()(Distribution({"name": "flexevict",
+                                                  "ext_modules": [extension]}))
+    command.build_temp, command.build_lib = str(tmp_path / "temp"), str(tmp_path / "lib")
+    command.ensure_finalized()
+    command.build_extension(extension)
+    assert calls == [("_C", build.CI_ARCHS)]
+    assert pathlib.Path(command.get_ext_fullpath("flexevict._C")).read_bytes() == b"built"
+    assert "setup_command()" in (pathlib.Path(__file__).parents[1] / "setup.py").read_text()

@@ -16,7 +16,7 @@ import flexevict.runtime.offload as offload
 from flexevict.runtime.engine import Engine, EvictionClock, _like
 from flexevict.runtime.generation import generate
 from flexevict.core.kernels.quant import Packed4bit
-from flexevict.core.kv import KVBuffer, Layout
+from flexevict.core.kv import KVBuffer, Layout, Memory
 from flexevict.runtime.offload import load_into, store_into
 from flexevict.runtime.memory import MemoryPlan
 from flexevict.runtime.offload import Lane, Tiers, host_bytes, park_bytes, pinned_size
@@ -55,7 +55,7 @@ def test_a_buffer_lives_entirely_in_its_home_tier(tier, compress, tmp_path):
     tiers = Tiers(META, str(tmp_path), pin=False)
     model = SimpleNamespace(config=CONFIGS["llama-gqa"], dtype=torch.float32, device=META)
     try:
-        for buf in engine_mod.allocate(model, Layout(9), 3, tiers.alloc(tier)):
+        for buf in engine_mod.allocate(model, Layout(9), 3, Memory(META, tiers.alloc(tier))):
             if compress:
                 put = lambda x: tiers.put(tier, x)  # noqa: E731
                 buf.k, buf.v = engine_mod.compressed(buf.k, put), engine_mod.compressed(buf.v, put)
@@ -86,7 +86,7 @@ def _decode(policy, buf, position, g):
 def _cpu_home(layout, rows, d, fields=()):
     """A home as the engine makes it on a GPU run: compute device passed, CPU memory given."""
     cpu = lambda shape, dtype, device: torch.zeros(shape, dtype=dtype)  # noqa: E731
-    return KVBuffer(layout, rows, d, torch.float32, META, alloc=cpu, fields=fields)
+    return KVBuffer(layout, rows, d, torch.float32, Memory(META, cpu), fields=fields)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in POLICIES if n != "full"))

@@ -263,8 +263,9 @@ def test_compact_prompt_reference_vs_python():
     valid[:19, 3] = False
     pos = (valid.long().cumsum(0) - 1).clamp(min=0).to(torch.int32)
     rank = torch.randint(0, 4, (s, rows), generator=gen).float()    # many ties
-    buf = KVBuffer(Layout(prefix + ring + 1), rows, 3, torch.float32, "cpu")
-    kernels.compact_prompt(buf, k, -k, pos, valid, rank, rank, prefix, ring)
+    buf = KVBuffer(Layout(prefix + ring + 1, prefix=prefix, ring=ring), rows, 3, torch.float32,
+                   "cpu")
+    kernels.compact_prompt(buf, k, -k, pos, valid, rank, rank)
     for r in range(rows):
         keep, holes = python_compact(valid[:, r].tolist(), rank[:, r].tolist(), prefix, ring)
         assert torch.equal(buf.k[:prefix + ring, r], k[keep, r]), r
@@ -379,8 +380,8 @@ BAD_CALLS = {
     "query codes": (lambda: kernels.hash_victims(_buf(), torch.zeros(2, 1, 2, dtype=torch.long),
                                                  1), "one word"),
     "proj dim": (lambda: kernels.hash_codes(torch.zeros(3, 4), torch.zeros(8, 5)), "proj"),
-    "reduce": (lambda: kernels.cascade_update(_buf(), None, torch.zeros(2, 1, 3), 0, 0.5, "sum", 3),
-               "reduce"),
+    "reduce": (lambda: kernels.cascade_update(_buf(), None, torch.zeros(2, 1, 3),
+                                              kernels.CascadeRule(0, 0.5, "sum", 3)), "reduce"),
     "odd group": (lambda: kernels.quantize_4bit(torch.zeros(4, 8), group=5), "group"),
     "bad dim": (lambda: kernels.quantize_4bit(torch.zeros(4, 8), dim=2), "dim"),
     "int x": (lambda: kernels.quantize_4bit(torch.zeros(4, 8, dtype=torch.int8)), "x"),
@@ -630,11 +631,11 @@ def test_compact_prompt_kernel(built, reference_only, dtype, s, rows, d, prefix,
         valid[: (s * r) // rows if r < rows - 1 else s - (prefix + ring) // 2, r] = False
     pos = (valid.long().cumsum(0) - 1).clamp(min=0).to(torch.int32)
     scores = (torch.rand(s, rows, device="cuda", generator=gen) * 8).floor()   # ties
-    buf = KVBuffer(Layout(prefix + ring + 1), rows, d, dtype, "cuda")
+    buf = KVBuffer(Layout(prefix + ring + 1, prefix=prefix, ring=ring), rows, d, dtype, "cuda")
     buf.k[:prefix + ring].fill_(float("nan"))                       # poison the destination
     buf.score[:prefix + ring].fill_(float("nan"))
     (a, _), (b, _) = both(
-        lambda x: kernels.compact_prompt(x, k, v, pos, valid, scores, scores, prefix, ring),
+        lambda x: kernels.compact_prompt(x, k, v, pos, valid, scores, scores),
         buf, reference_only)
     assert_same_buffers(a, b)
 

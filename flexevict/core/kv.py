@@ -23,6 +23,7 @@ makes them once per buffer family and device, and they never travel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -93,23 +94,35 @@ def zeros(shape, dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+Allocator = Callable[[tuple, torch.dtype, "torch.device | str"], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Where a buffer's tensors live: `device`, made by `alloc(shape, dtype, device)` -> a zeroed
+    tensor (the offloading engine passes pinned or file-backed allocators, which may ignore
+    `device`: tensors made here follow the allocated metadata, so a CPU or disk home indexes on
+    the CPU whatever the compute device is); `kv_alloc`: the same for K and V, when they are to
+    live elsewhere (None: alloc)."""
+    device: torch.device | str
+    alloc: Allocator = zeros
+    kv_alloc: Allocator | None = None
+
+
 class KVBuffer:
-    def __init__(self, layout: Layout, rows: int, head_dim: int, dtype, device, kv_heads: int = 1,
-                 layer: int = 0, alloc=zeros, fields: tuple[Field, ...] = (),
-                 constants: dict | None = None, kv_alloc=None):
+    def __init__(self, layout: Layout, rows: int, head_dim: int, dtype, where: Memory | str,
+                 kv_heads: int = 1, layer: int = 0, fields: tuple[Field, ...] = ()):
         """layout: the run's regions (`capacity` = layout.slots - 1 committed slots + scratch);
-        alloc(shape, dtype, device) -> zeroed tensor: where the slots live (the offloading
-        engine passes pinned or file-backed allocators, which may ignore `device`: tensors
-        made here follow the allocated metadata, so a CPU or disk home indexes on the CPU
-        whatever the compute device is); kv_alloc: the same for K and V, when they are to live
-        elsewhere (default alloc). fields: the policy's declared state (`Field`);
-        constants: a dict shared with the buffers that hold the same layer (see `constant`)."""
-        n = layout.slots
+        where: a `Memory`, or just a device (ordinary zeroed tensors there); fields: the
+        policy's declared state (`Field`). `constants` starts empty: a working copy of another
+        layer's buffer shares that buffer's dict (see `constant`)."""
+        memory = where if isinstance(where, Memory) else Memory(where)
+        n, device, alloc = layout.slots, memory.device, memory.alloc
         self.layout = layout
         self.kv_heads = kv_heads  # rows = batch * kv_heads, row b * kv_heads + h
         self.layer = layer        # lets a policy keep per-layer constants (HashEvict's projection)
         self.head_dim, self.dtype = head_dim, dtype
-        kv_alloc = kv_alloc or alloc
+        kv_alloc = memory.kv_alloc or alloc
         self.k = kv_alloc((n, rows, head_dim), dtype, device)
         self.v = kv_alloc((n, rows, head_dim), dtype, device)
         self.score = alloc((n, rows), torch.float32, device)
@@ -125,7 +138,7 @@ class KVBuffer:
         self.fields = fields
         sizes = {"slots": n, "rows": rows, "d": head_dim}
         self.policy_state = {f.name: f.allocate(sizes, device, alloc, dtype) for f in fields}
-        self.constants = {} if constants is None else constants
+        self.constants: dict = {}   # (name, device) -> a per-layer constant (`constant`)
 
     def constant(self, name: str, make):
         """A policy constant for this layer on this buffer's device: make(device) once per

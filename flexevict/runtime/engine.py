@@ -26,8 +26,8 @@ import torch
 
 from flexevict.io.weights import MetaWeights
 from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
-from flexevict.errors import UserError
-from flexevict.core.kv import KVBuffer, Layout, zeros
+from flexevict.errors import UserError, setting
+from flexevict.core.kv import KVBuffer, Layout, Memory
 from flexevict.core.model import (LINEAR_WEIGHTS, PackedWeight, Transformer, load_layer_weights,
                     load_outer_weights, onednn_usable)
 from flexevict.policies import Policy
@@ -313,7 +313,8 @@ class Engine:
             # compressed: K and V start in ordinary memory, only their 4-bit parts go to the
             # tier (allocated there, they would hold tier memory until the run ends)
             kv_alloc = _in_ram if self.placement.compress_cache else alloc
-            bufs = allocate(self.model, layout, size, alloc, fields, kv_alloc)
+            memory = Memory(self.model.device, alloc, kv_alloc)
+            bufs = allocate(self.model, layout, size, memory, fields)
             if self.placement.compress_cache:
                 put = lambda x, tier=tier: self.tiers.put(tier, x)   # noqa: E731
                 for b in bufs:
@@ -546,17 +547,16 @@ def check_length(config, prompt_len: int, new_tokens: int):
     if prompt_len + new_tokens - 1 > limit:
         raise UserError(f"prompt of {prompt_len} tokens + {new_tokens} new tokens exceeds the "
                         f"model's maximum of {limit} positions; shorten the prompt or "
-                        "--max-new-tokens")
+                        f"{setting('max_new_tokens')}")
 
 
-def allocate(model: Transformer, layout: Layout, batch: int, alloc=zeros, fields=(),
-             kv_alloc=None) -> list[KVBuffer]:
+def allocate(model: Transformer, layout: Layout, batch: int, memory: Memory | None = None,
+             fields=()) -> list[KVBuffer]:
     """One KV buffer per layer of `layout` for `batch` sequences with the policy's declared
-    state `fields`; alloc (kv_alloc for K and V) picks the memory (kv.KVBuffer)."""
+    state `fields`, in `memory` (default: zeros on the model's device; kv.Memory)."""
     c = model.config
-    return [KVBuffer(layout, batch * c.num_kv_heads, c.dim_head, model.dtype, model.device,
-                     kv_heads=c.num_kv_heads, layer=j, alloc=alloc, fields=fields,
-                     kv_alloc=kv_alloc)
+    return [KVBuffer(layout, batch * c.num_kv_heads, c.dim_head, model.dtype,
+                     memory or model.device, kv_heads=c.num_kv_heads, layer=j, fields=fields)
             for j in range(c.num_layers)]
 
 
@@ -623,9 +623,8 @@ def _like(buf: KVBuffer, device) -> KVBuffer:
     constants and the state that stays home (`Field.home`: referred to, never allocated)."""
     travels = tuple(f for f in buf.fields if not f.home)
     work = KVBuffer(buf.layout, buf.valid.shape[1], buf.head_dim, buf.dtype, device,
-                    kv_heads=buf.kv_heads, layer=buf.layer, fields=travels,
-                    constants=buf.constants)
-    work.fields = buf.fields
+                    kv_heads=buf.kv_heads, layer=buf.layer, fields=travels)
+    work.constants, work.fields = buf.constants, buf.fields
     work.policy_state.update({f.name: buf.policy_state[f.name] for f in buf.fields if f.home})
     return work
 

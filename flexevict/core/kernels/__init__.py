@@ -17,7 +17,8 @@ import torch
 from flexevict.core.kernels import ext, reference
 from flexevict.core.kernels.ext import backend
 from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
-from flexevict.core.kernels.reference import (WORD_BITS, SubCaches, accumulate_scores, at_slots,
+from flexevict.core.kernels.reference import (WORD_BITS, CascadeRule, SubCaches,
+                                              accumulate_scores, at_slots,
                                               buzz_select, candidate_slots, compaction, hamming,
                                               kv_head_probs, lowest, popcount, reduce_heads)
 
@@ -27,13 +28,13 @@ __all__ = [  # the dispatch functions (kernel or reference) ...
            "hash_codes", "hash_victims", "compact_prompt", "buzz_pass", "cascade_update",
            "quantize_4bit", "dequantize_4bit", "Packed4bit", "take_rows", "put_rows",
            # ... and reference helpers the policies share (no kernel of their own)
-           "WORD_BITS", "SubCaches", "accumulate_scores", "at_slots", "buzz_select",
+           "WORD_BITS", "CascadeRule", "SubCaches", "accumulate_scores", "at_slots", "buzz_select",
            "candidate_slots", "compaction", "hamming", "kv_head_probs", "lowest", "popcount",
            "reduce_heads"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 COMMITS = {"none": 0, "mask": 1, "replace": 2, "ring": 3}
-REDUCTIONS = {"mean": 0, "max": 1, "median": 2}
+REDUCTIONS = ("mean", "max", "median")     # CascadeRule.reduce (the binding maps the names)
 
 
 def _fail(op: str, message: str):
@@ -91,12 +92,8 @@ def decode_attention_kernel(q, k, v, valid, scale: float, score=None):
     fits = module is not None and ext.decode_attention_fits(module, g, d)
     if not fits or (score is not None and score.stride(1) != 1):
         return reference.decode_attention(q, k, v, valid, scale, score)
-    n = k.shape[0]
-    out = torch.empty(rows, g, d, dtype=q.dtype, device=q.device)
-    probs = torch.empty(rows, g, n, dtype=torch.float32, device=q.device)
-    module.decode_attention(_lastdim(q), _lastdim(k), _lastdim(v), valid.contiguous(), out, probs,
-                            score, float(scale), ext.stream(q))
-    return out, probs
+    return module.decode_attention(_lastdim(q), _lastdim(k), _lastdim(v), valid.contiguous(),
+                                   score, float(scale), ext.stream(q))
 
 
 def _check_decode_attention(q, k, v, valid, score) -> None:
@@ -138,13 +135,8 @@ def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold
     if module is None or fold is not None or not ext.within(
             module, prefill_max_dim=d, prefill_max_batch_heads=b * h):
         return reference.prefill_attention(q, k, v, mask, valid, scale, block, fold)
-    out = torch.empty(b, h, s, d, dtype=q.dtype, device=q.device)
-    row_max = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-    row_sum = torch.empty_like(row_max)
-    colsum = torch.empty(b, hk, s, dtype=torch.float32, device=q.device)
-    module.prefill_attention(_lastdim(q), _lastdim(k), _lastdim(v), mask, valid.contiguous(),
-                             out, row_max, row_sum, colsum, float(scale), ext.stream(q))
-    return out, colsum
+    return module.prefill_attention(_lastdim(q), _lastdim(k), _lastdim(v), mask,
+                                    valid.contiguous(), float(scale), ext.stream(q))
 
 
 def prefill_attention_scores(q, k, v, valid, scale: float, fold=None, block=None):
@@ -195,9 +187,8 @@ def evict_commit(buf, end: int, cursor: bool = True, value=None, commit: str = "
         return reference.evict_commit(buf, end, cursor, value, commit)
     old_cursor = buf.cursor
     victims = module.select_commit(
-        buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, end,
-        old_cursor if cursor else -1, None if value is None else value.contiguous(), 0, None,
-        None, COMMITS[commit], old_cursor, None, ext.stream(buf.k))
+        buf, end, old_cursor if cursor else -1, None if value is None else value.contiguous(),
+        COMMITS[commit], old_cursor, None, ext.stream(buf.k))
     if commit != "none":
         buf.mark(victims)
     if commit == "ring":
@@ -214,8 +205,7 @@ def ring_commit(buf, victims) -> None:
     if module is None:
         return buf.ring_commit(victims)
     cursor = buf.cursor
-    module.select_commit(buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, 0, -1, None, 0,
-                         None, None, COMMITS["ring"], cursor, victims.contiguous(),
+    module.select_commit(buf, 0, -1, None, COMMITS["ring"], cursor, victims.contiguous(),
                          ext.stream(buf.k))
     buf.mark(victims)
     buf.mark(cursor)
@@ -260,18 +250,17 @@ def hash_victims(buf, query_codes, protect: int, codes=None):
     module = _buffer_module(buf)
     if module is None:
         return reference.hash_victims(buf, query_codes, protect, codes)
-    return module.select_commit(
-        buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, buf.ring_start, buf.cursor, None,
-        protect, query_codes.contiguous(), None if codes is None else codes.contiguous(),
-        COMMITS["mask"], buf.cursor, None, ext.stream(buf.k))
+    return module.hash_select(buf, buf.ring_start, buf.cursor, protect, query_codes.contiguous(),
+                              None if codes is None else codes.contiguous(), ext.stream(buf.k))
 
 
 # ------------------------------------------------------------------------------ compaction
 
-def compact_prompt(buf, k, v, pos, valid, scores, rank, prefix: int, ring: int) -> None:
-    """RingPolicy's prefill of a prompt longer than the buffer (prefix + ring slots): per row,
-    the last `ring` real tokens and the `prefix` best by rank among the older ones (ties -> the
-    earliest), in position order, into slots [0, prefix + ring); short rows leave holes.
+def compact_prompt(buf, k, v, pos, valid, scores, rank) -> None:
+    """RingPolicy's prefill of a prompt longer than the buffer (`buf.layout`'s prefix + ring
+    slots): per row, the last `ring` real tokens and the `prefix` best by rank among the older
+    ones (ties -> the earliest), in position order, into slots [0, prefix + ring); short rows
+    leave holes.
 
     k, v (S, R, d); pos int32, valid bool, scores fp32 or None, rank (S, R) in prompt order."""
     op = "compact_prompt"
@@ -283,18 +272,17 @@ def compact_prompt(buf, k, v, pos, valid, scores, rank, prefix: int, ring: int) 
     _expect(op, "rank", rank, (s, rows), None, k.device)
     if scores is not None:
         _expect(op, "scores", scores, (s, rows), None, k.device)
+    prefix, ring = buf.layout.prefix, buf.layout.ring
     if prefix < 0 or ring < 0 or prefix + ring != buf.capacity or s <= buf.capacity:
         _fail(op, f"prefix ({prefix}) + ring ({ring}) must equal the buffer's {buf.capacity} "
                   f"committed slots, below the prompt's {s} tokens")
     module = _buffer_module(buf)
     if module is None or not ext.within(module, compact_max_seq=s) or \
             k.device != buf.k.device or k.dtype != buf.k.dtype:
-        return reference.compact_prompt(buf, k, v, pos, valid, scores, rank, prefix, ring)
+        return reference.compact_prompt(buf, k, v, pos, valid, scores, rank)
     as_f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
     module.compact_prompt(_lastdim(k), _lastdim(v), pos.to(torch.int32).contiguous(),
-                          valid.contiguous(), as_f32(scores), as_f32(rank), prefix, ring,
-                          buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid,
-                          ext.stream(k))
+                          valid.contiguous(), as_f32(scores), as_f32(rank), buf, ext.stream(k))
     buf.used = buf.capacity
     buf.touch_all()
 
@@ -357,22 +345,20 @@ def buzz_pass(buf, n: int, k: int, w: int, T: int, s: int, used: int | None = No
     if module is None or not ext.within(module, buzz_max_slots=n, buzz_max_dim=buf.k.shape[-1]):
         kept = reference.buzz_pass(buf, n, k, w, T, s, used)
     else:
-        kept = module.buzz_pass(buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, n, k, w,
-                                T, s, ext.stream(buf.k))
+        kept = module.buzz_pass(buf, n, k, w, T, s, ext.stream(buf.k))
     if used is None:
         used = int(kept.max()) if kept.numel() else 0
     buf.used = used
     buf.touch_all()
 
 
-def cascade_update(buf, sub: SubCaches, probs, sinks: int, gamma: float, reduce: str,
-                   window: int, tie_replace: bool = False, eager_fill: bool = False) -> None:
+def cascade_update(buf, sub: SubCaches, probs, rule: CascadeRule) -> None:
     """Cascade's decode step for every row: the attention EMA of slots [sinks, n) in
-    `buf.state` (probs (R, g, n) fp32, reduced over each sequence's kv heads by `reduce`), then
-    the scratch token's insertion into the sub-caches `sub` (Algorithm 1)."""
+    `buf.state` (probs (R, g, n) fp32, reduced over each sequence's kv heads by `rule.reduce`),
+    then the scratch token's insertion into the sub-caches `sub` (Algorithm 1)."""
     op = "cascade_update"
-    if reduce not in REDUCTIONS:
-        _fail(op, f"reduce must be one of {', '.join(REDUCTIONS)} (got {reduce!r})")
+    if rule.reduce not in REDUCTIONS:
+        _fail(op, f"reduce must be one of {', '.join(REDUCTIONS)} (got {rule.reduce!r})")
     rows = buf.score.shape[1]
     _expect(op, "probs", probs, (rows, None, None), torch.float32, buf.score.device)
     if probs.shape[-1] > buf.capacity + 1:
@@ -383,12 +369,7 @@ def cascade_update(buf, sub: SubCaches, probs, sinks: int, gamma: float, reduce:
     module = _buffer_module(buf)
     if module is None or not ext.within(module, cascade_max_levels=levels,
                                         cascade_max_kv_heads=kv):
-        return reference.cascade_update(buf, sub, probs, sinks, gamma, reduce, window,
-                                        tie_replace, eager_fill)
-    done = torch.zeros(rows // kv, dtype=torch.int32, device=probs.device)
-    moved_to = module.cascade_update(
-        buf.k, buf.v, buf.score, buf.state, buf.pos, buf.valid, probs.contiguous(),
-        sub.start, sub.count, sub.size.view(-1), done, sinks, kv,
-        float(gamma), 1.0 - float(gamma), REDUCTIONS[reduce], bool(tie_replace),
-        bool(eager_fill), ext.stream(buf.k))
+        return reference.cascade_update(buf, sub, probs, rule)
+    moved_to = module.cascade_update(buf, probs.contiguous(), sub.start, sub.count,
+                                     sub.size.view(-1), rule, ext.stream(buf.k))
     buf.mark(moved_to)

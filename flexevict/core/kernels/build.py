@@ -1,10 +1,12 @@
-"""Building the extension with nvcc and the C++ compiler directly, without ninja.
+"""The one way the CUDA extension is built: nvcc and the C++ compiler, run directly.
 
-torch's just-in-time `load` needs ninja; where it is missing, `ext.load` builds with these
-commands instead. CI uses the same commands on CPU machines (tests/test_cuda_build.py): every
-cuda/*.cu with nvcc for sm_75, sm_80 and sm_90, the binding against the installed (CPU) torch,
-and the link. Sources: the installed package `flexevict.cuda_sources` (setup.py ships the
-repository's cuda/ folder as it), else a source checkout's cuda/ folder.
+Every cuda/*.cu with nvcc (one call per file, the calls in parallel), the binding against the
+installed torch (a CPU build is fine: it includes no CUDA header), and the link. Three callers,
+one set of commands: `setup.py` ahead of time (`flexevict._C`, for sm_75, sm_80 and sm_90, by
+`SetupCommand`), `ext.load` just in time on first GPU use (for the GPU's own architecture), and
+tests/test_cuda_build.py on CPU machines (warnings as errors). Sources: a source checkout's
+cuda/ folder when this file sits in one (an editable install, or setup.py building), else the
+installed package `flexevict.cuda_sources` (setup.py ships cuda/ as it).
 """
 from __future__ import annotations
 
@@ -20,13 +22,13 @@ import torch
 
 
 def source_dir() -> Path:
-    """The folder of the CUDA sources: the package flexevict.cuda_sources, installed with
-    flexevict; else the cuda/ folder of the checkout this file is in (an editable install made
-    before that package existed, or the tree run in place)."""
-    try:
-        return Path(str(importlib.resources.files("flexevict.cuda_sources")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[3] / "cuda"
+    """The folder of the CUDA sources: the cuda/ folder of the checkout this file is in (the
+    sources being edited, and the ones setup.py builds), else the package
+    flexevict.cuda_sources installed with flexevict."""
+    checkout = Path(__file__).resolve().parents[3]
+    if (checkout / "setup.py").is_file() and (checkout / "cuda" / "binding.cpp").is_file():
+        return checkout / "cuda"
+    return Path(str(importlib.resources.files("flexevict.cuda_sources")))
 
 
 SOURCE_DIR = source_dir()
@@ -134,3 +136,18 @@ def build(out: Path, name: str, archs) -> Path:
     if done.returncode:
         raise RuntimeError(f"linking the kernels failed: {(done.stdout + done.stderr)[-2000:]}")
     return so
+
+
+def setup_command():
+    """setup.py's `build_ext` command: builds each extension (`flexevict._C`) with `build` for
+    CI_ARCHS and copies the library to where setuptools installs the module."""
+    from setuptools.command.build_ext import build_ext
+
+    class SetupCommand(build_ext):
+        def build_extension(self, extension):
+            name = extension.name.rpartition(".")[2]
+            so = build(Path(self.build_temp) / "flexevict_kernels", name, CI_ARCHS)
+            target = Path(self.get_ext_fullpath(extension.name))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(so, target)
+    return SetupCommand

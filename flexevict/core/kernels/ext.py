@@ -1,12 +1,10 @@
 """Finding the compiled kernels (`flexevict._C`).
 
-`setup.py` builds the extension ahead of time when a CUDA build of torch and a CUDA toolkit are
-present. Otherwise it is compiled just in time from the sources installed with the package
-(`flexevict.cuda_sources`, the repository's `cuda/` folder; `build.source_dir`) the first time
-a kernel is asked for on a GPU: with `torch.utils.cpp_extension.load` when ninja is installed,
-else with nvcc and the C++ compiler directly (`build.py`, cached in ~/.cache/flexevict or
-$FLEXEVICT_BUILD_DIR), for the GPU's own architecture. A failed build
-warns once and every op falls back to its PyTorch reference. The loaded module is cached: it is
+`setup.py` builds the extension ahead of time when a CUDA build of torch and nvcc are present.
+Otherwise it is compiled just in time, the first time a kernel is asked for on a GPU, by the
+same commands (`build.py`), for the GPU's own architecture, into a folder keyed by the sources
+(~/.cache/flexevict or $FLEXEVICT_BUILD_DIR). A failed build warns once and every op falls back
+to its PyTorch reference. The loaded module is cached: it is
 the only module-level state of `flexevict.core.kernels`, with `use_kernels`' switch.
 
 What each kernel accepts (head dims, prompt lengths, slots, ...) is the extension's own
@@ -72,10 +70,6 @@ def load():
                       "the PyTorch reference (reinstall flexevict: they are its package data)")
         return None
     try:
-        from torch.utils import cpp_extension
-        if cpp_extension.is_ninja_available():
-            return _current(cpp_extension.load(name=NAME, sources=[str(f) for f in files],
-                                               extra_cflags=["-O3"], extra_cuda_cflags=["-O3"]))
         return _current(_build_and_import(files))
     except Exception as e:                           # noqa: BLE001 - any build failure
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

@@ -85,12 +85,10 @@ def quantize_4bit(x: torch.Tensor, group: int = GROUP, dim: int = -1) -> Packed4
     module = ext.module_for(x)
     if module is None:
         return _quantize_reference(x, group, dim, data_shape, stat_shape)
-    x = x.contiguous()
-    data = torch.empty(data_shape, dtype=torch.uint8, device=x.device)
-    mins = torch.empty(stat_shape, dtype=x.dtype, device=x.device)
-    scales = torch.empty(stat_shape, dtype=x.dtype, device=x.device)
-    module.quantize_4bit(x, outer, length, inner, group, data, mins, scales, ext.stream(x))
-    return Packed4bit(data, mins, scales, x.shape, dim, group)
+    data, mins, scales = module.quantize_4bit(x.contiguous(), outer, length, inner, group,
+                                              ext.stream(x))
+    return Packed4bit(data.view(data_shape), mins.view(stat_shape), scales.view(stat_shape),
+                      x.shape, dim, group)
 
 
 def dequantize_4bit(p: Packed4bit) -> torch.Tensor:
@@ -101,10 +99,9 @@ def dequantize_4bit(p: Packed4bit) -> torch.Tensor:
     if module is None:
         return _dequantize_reference(p)
     outer, length, inner = _layout(p.shape, p.dim)
-    out = torch.empty(p.shape, dtype=p.dtype, device=p.data.device)
-    module.dequantize_4bit(p.data.contiguous(), p.min.contiguous(), p.scale.contiguous(), outer,
-                           length, inner, p.group, out, ext.stream(out))
-    return out
+    out = module.dequantize_4bit(p.data.contiguous(), p.min.contiguous(), p.scale.contiguous(),
+                                 outer, length, inner, p.group, ext.stream(p.data))
+    return out.view(p.shape)
 
 
 def _quantize_reference(x, group, dim, data_shape, stat_shape) -> Packed4bit:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -319,13 +320,14 @@ def hash_victims(buf: KVBuffer, query_codes: torch.Tensor, protect: int,
 
 # ------------------------------------------------------------------------------ prompt top-k
 
-def compact_prompt(buf: KVBuffer, k, v, pos, valid, scores, rank, prefix: int, ring: int):
+def compact_prompt(buf: KVBuffer, k, v, pos, valid, scores, rank):
     """RingPolicy's prefill of a prompt longer than the buffer: per row (left-aligned), keep the
     last `ring` real tokens and the `prefix` best by rank among the older ones (ties -> the
-    earliest), in position order, into slots [0, prefix + ring). Rows too short to fill a
-    region leave holes (invalid slots).
+    earliest), in position order, into slots [0, prefix + ring) (`buf.layout`'s regions). Rows
+    too short to fill a region leave holes (invalid slots).
 
     k, v (S, R, d); pos, valid, scores (fp32 or None), rank (S, R), all in prompt order."""
+    prefix, ring = buf.layout.prefix, buf.layout.ring
     order = left_aligned(valid)
     rank = rank.gather(0, order)
     n_real = valid.sum(0)                                         # (R,)
@@ -438,22 +440,35 @@ class SubCaches(NamedTuple):
     period: torch.Tensor
 
 
-def cascade_plan(buf: KVBuffer, sub: SubCaches, mu, t, sinks: int, window: int,
-                 tie_replace: bool, eager_fill: bool):
+@dataclass(frozen=True)
+class CascadeRule:
+    """What Cascade's decode step needs besides the buffer (the policy's arguments resolved for
+    the run): `sinks` never-scored first slots, the EMA's `gamma`, the kv-head `reduce`
+    (mean | max | median), `window` = the sub-caches' total size, and the authors'-code
+    switches `tie_replace` (>= instead of >) and `eager_fill`."""
+    sinks: int
+    gamma: float
+    reduce: str
+    window: int
+    tie_replace: bool = False
+    eager_fill: bool = False
+
+
+def cascade_plan(buf: KVBuffer, sub: SubCaches, mu, t, rule: CascadeRule):
     """One insertion (Cascade's Algorithm 1) of the token in the scratch slot, for every row at
     once (rows of a ragged batch have different t, hence their own counters).
 
-    mu (slots, R) scores, t (R,) int64 token index; `sub` the sub-caches after `sinks` sink
-    slots, `window` = their total size. Updates sub.start/count and returns (src, dst), both
-    (N + 1, R): one simultaneous move (all sources read before any destination is written) that
-    performs the whole cascade; pairs that do nothing read and write the scratch slot.
+    mu (slots, R) scores, t (R,) int64 token index; `sub` the sub-caches after the rule's sink
+    slots. Updates sub.start/count and returns (src, dst), both (N + 1, R): one simultaneous
+    move (all sources read before any destination is written) that performs the whole cascade;
+    pairs that do nothing read and write the scratch slot.
     """
-    sc, S = buf.scratch, sinks
+    sc, S = buf.scratch, rule.sinks
     start, count, base, size = sub.start, sub.count, sub.base, sub.size
     sink = t < S
     acc = (t - S).remainder(sub.period) == 0                              # (N, R)
-    if eager_fill:
-        acc = acc | (count.sum(0) < window)
+    if rule.eager_fill:
+        acc = acc | (count.sum(0) < rule.window)
     full, empty = count == size, count == 0
     push = acc & full
     # the item reaches level i iff every level before it pushed (and evicted its oldest)
@@ -465,7 +480,7 @@ def cascade_plan(buf: KVBuffer, sub: SubCaches, mu, t, sinks: int, window: int,
     scratch = torch.full_like(t, sc).unsqueeze(0)
     carry = torch.cat([scratch, oldest[:-1]])           # slot holding the item at level i
     mu_in, mu_new = mu.gather(0, carry), mu.gather(0, newest)
-    win = mu_in >= mu_new if tie_replace else mu_in > mu_new
+    win = mu_in >= mu_new if rule.tie_replace else mu_in > mu_new
     do_push = alive & push
     do_append = alive & ~push & (acc | empty)
     do_win = alive & ~acc & ~empty & win
@@ -479,15 +494,13 @@ def cascade_plan(buf: KVBuffer, sub: SubCaches, mu, t, sinks: int, window: int,
     return torch.cat([scratch, src]), torch.cat([sink_dst, dst])
 
 
-def cascade_update(buf: KVBuffer, sub: SubCaches, probs, sinks: int, gamma: float, reduce: str,
-                   window: int, tie_replace: bool = False, eager_fill: bool = False) -> None:
+def cascade_update(buf: KVBuffer, sub: SubCaches, probs, rule: CascadeRule) -> None:
     """Cascade's full decode step: every non-sink slot's EMA mu <- gamma mu + (1 - gamma) s of
     this step's attention s (probs (R, g, n), summed over the group, reduced over a sequence's
     kv heads), kept in `buf.state`; then the scratch token's insertion (`cascade_plan`)."""
-    S, n = sinks, probs.shape[-1]
-    s = reduce_heads(kv_head_probs(probs), buf.kv_heads, reduce)          # (n, R)
+    S, n, gamma = rule.sinks, probs.shape[-1], rule.gamma
+    s = reduce_heads(kv_head_probs(probs), buf.kv_heads, rule.reduce)     # (n, R)
     buf.state[S:n].mul_(gamma).add_(s[S:], alpha=1.0 - gamma)
-    src, dst = cascade_plan(buf, sub, buf.state, buf.pos[buf.scratch].to(torch.int64), sinks,
-                            window, tie_replace, eager_fill)
+    src, dst = cascade_plan(buf, sub, buf.state, buf.pos[buf.scratch].to(torch.int64), rule)
     buf.move(src, dst)
     buf.valid[buf.scratch] = False
