@@ -14,7 +14,7 @@ import torch
 
 from flexevict.core.config import (DTYPES, ModelConfig, default_dtype, registry_config,
                                    with_overrides)
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.runtime.engine import Engine, resolved_layout
 from flexevict.runtime.generation import Sampling, generate, plan_batches, stream_nll
 from flexevict.io.packaged import PACKAGED_MODELS
@@ -51,10 +51,10 @@ def resolve_device(device: str | None) -> torch.device:
     if device in (None, "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device} asked for, but this torch has no usable CUDA; "
-                        "use --device cpu")
+        raise UserError(f"{setting('device')} {device} asked for, but this torch has no usable "
+                        f"CUDA; use {setting('device')} cpu")
     if device != "cpu" and not device.startswith("cuda"):
-        raise UserError(f"unknown --device '{device}' (cpu, cuda or cuda:N)")
+        raise UserError(f"unknown {setting('device')} '{device}' (cpu, cuda or cuda:N)")
     return torch.device(device)
 
 
@@ -72,7 +72,7 @@ class LLM:
         if dtype is None:
             dtype = default_dtype(self.device)
         if dtype not in DTYPES:
-            raise UserError(f"unknown --dtype '{dtype}' ({', '.join(DTYPES)})")
+            raise UserError(f"unknown {setting('dtype')} '{dtype}' ({', '.join(DTYPES)})")
         self.tokenizer = load_tokenizer(self.path)
         source = open_weights(self.path, self.config, seed)
         self.placement = placement or Placement()
@@ -101,7 +101,7 @@ class LLM:
         if p.gpu_batch_size:
             batch_size = p.gpu_batch_size * p.num_gpu_batches
         if batch_size < 1:
-            raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
+            raise UserError(f"{setting('batch_size')} must be >= 1 (got {batch_size})")
         spec = as_spec(policy)
         encoded = [self.tokenizer.encode(p) for p in prompts]
         results: list[dict | None] = [None] * len(prompts)

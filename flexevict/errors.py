@@ -17,7 +17,8 @@ from contextlib import contextmanager
 
 _SETTING = re.compile("\u27e8([a-z0-9_]+)\u27e9")    # setting("x") -> "\u27e8x\u27e9"
 # settings whose flag is not the parameter's name with dashes: {parameter: flag}
-FLAGS = {"policy_args": "--policy-arg"}
+FLAGS = {"policy_args": "--policy-arg", "task_args": "--task-arg",
+         "weight_cache": "--no-weight-cache"}
 
 
 def setting(name: str) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from flexevict.core import kernels
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.core.kernels import kv_head_probs  # noqa: F401 - the policies' helper
 from flexevict.core.kv import Field, KVBuffer, Layout
 
@@ -62,10 +62,10 @@ class Policy:
 
     def __post_init__(self):
         if self.budget is not None and not 0 < self.budget <= 1:
-            raise UserError(f"--budget must be in (0, 1] (got {self.budget}); use "
-                            "--budget-tokens for an absolute slot count")
+            raise UserError(f"{setting('budget')} must be in (0, 1] (got {self.budget}); use "
+                            f"{setting('budget_tokens')} for an absolute slot count")
         if self.budget_tokens is not None and self.budget_tokens < 1:
-            raise UserError(f"--budget-tokens must be >= 1 (got {self.budget_tokens})")
+            raise UserError(f"{setting('budget_tokens')} must be >= 1 (got {self.budget_tokens})")
 
     # ------------------------------------------------------------------ arguments
     @classmethod
@@ -84,8 +84,8 @@ class Policy:
         known = [n for n in fields if n not in BUDGET_FIELDS]
         unknown = sorted(set(args) - set(known))
         if unknown:
-            raise UserError(f"unknown --policy-arg {', '.join(unknown)} for policy '{cls.name}' "
-                            f"(its arguments: {', '.join(known) or 'none'})")
+            raise UserError(f"unknown {setting('policy_args')} {', '.join(unknown)} for policy "
+                            f"'{cls.name}' (its arguments: {', '.join(known) or 'none'})")
         hints = typing.get_type_hints(cls)
         typed = {k: _coerce(k, v, hints[k]) for k, v in args.items()}
         return cls(budget, budget_tokens, **typed)
@@ -111,7 +111,8 @@ class Policy:
             slots = total
         if slots < self.minimum_slots() and slots < total:   # holding everything is always fine
             raise UserError(f"budget of {slots} slots is below policy '{self.name}'s minimum of "
-                            f"{self.minimum_slots()}; raise --budget or --budget-tokens")
+                            f"{self.minimum_slots()}; raise {setting('budget')} or "
+                            f"{setting('budget_tokens')}")
         return min(slots, total)
 
     def layout(self, prompt_len: int, gen_len: int) -> Layout:
@@ -261,8 +262,9 @@ def _coerce(name: str, value, kind):
     if kind is bool:
         if value.lower() in ("1", "true", "yes", "0", "false", "no"):
             return value.lower() in ("1", "true", "yes")
-        raise UserError(f"--policy-arg {name}={value}: expected true or false")
+        raise UserError(f"{setting('policy_args')} {name}={value}: expected true or false")
     try:
         return kind(value)
     except ValueError:
-        raise UserError(f"--policy-arg {name}={value}: expected a {kind.__name__}") from None
+        raise UserError(f"{setting('policy_args')} {name}={value}: expected a "
+                        f"{kind.__name__}") from None

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from flexevict.core import kernels
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.core.kernels import buzz_select, compaction
 from flexevict.core.kv import Field, KVBuffer, Layout, left_aligned
 
@@ -136,23 +136,25 @@ class Buzz(Policy):
     def __post_init__(self):
         super().__post_init__()
         if self.s < 3:
-            raise UserError(f"--policy-arg s={self.s}: BUZZ's stride must be >= 3 (with s <= 2 "
-                            "the old-token stride is 1 and the cache is never bounded)")
+            raise UserError(f"{setting('policy_args')} s={self.s}: BUZZ's stride must be >= 3 "
+                            "(with s <= 2 the old-token stride is 1 and the cache is never "
+                            "bounded)")
         if self.k < 0 or self.w < 0:
-            raise UserError("--policy-arg k and w must be >= 0 (w=0: derive from the budget)")
+            raise UserError(f"{setting('policy_args')} k and w must be >= 0 (w=0: derive from the "
+                            "budget)")
         if self.T != 0 and self.T < MIN_T:
-            raise UserError(f"--policy-arg T={self.T}: BUZZ's threshold must be >= {MIN_T} "
-                            "(T=0: derive from the budget)")
+            raise UserError(f"{setting('policy_args')} T={self.T}: BUZZ's threshold must be >= "
+                            f"{MIN_T} (T=0: derive from the budget)")
         if self.prompt_sampling not in ("interval", "maxima"):
-            raise UserError(f"--policy-arg prompt_sampling={self.prompt_sampling}: expected "
-                            "'interval' (survivors of a prefill pass are old tokens) or 'maxima' "
-                            "(local maxima on every pass)")
+            raise UserError(f"{setting('policy_args')} prompt_sampling={self.prompt_sampling}: "
+                            "expected 'interval' (survivors of a prefill pass are old tokens) or "
+                            "'maxima' (local maxima on every pass)")
         if self.budget_basis not in ("peak", "average"):
-            raise UserError(f"--policy-arg budget_basis={self.budget_basis}: expected 'peak' "
-                            "(the buffer) or 'average' (the steady-state average cache)")
+            raise UserError(f"{setting('policy_args')} budget_basis={self.budget_basis}: expected "
+                            "'peak' (the buffer) or 'average' (the steady-state average cache)")
         if self.budget_basis == "average" and (self.w or self.T):
-            raise UserError("--policy-arg budget_basis=average sizes w and T itself; leave w "
-                            "and T unset")
+            raise UserError(f"{setting('policy_args')} budget_basis=average sizes w and T itself; "
+                            "leave w and T unset")
 
     # ------------------------------------------------------------------ sizing
     def fields(self, layout):
@@ -192,7 +194,7 @@ class Buzz(Policy):
         if base.evicts and (w < 1 or T < MIN_T or self.k + w + T > base.capacity):
             raise UserError(f"BUZZ needs k + w + T + 1 <= slots with w >= 1, T >= {MIN_T} "
                             f"(k={self.k}, w={w}, T={T}, slots={base.slots}); raise the budget "
-                            "or lower --policy-arg k/w/T")
+                            f"or lower {setting('policy_args')} k/w/T")
         # budget >= sequence: nothing is ever evicted and keys are cached like `full`
         return BuzzLayout(**{**dataclasses.asdict(base),
                              "rope_in_cache": self.pos_shift and base.evicts},

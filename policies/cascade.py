@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flexevict.core import kernels
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.core.kernels import REDUCTIONS, CascadeRule, SubCaches, reduce_heads
 from flexevict.core.kv import Field, Layout, left_aligned
 
@@ -91,15 +91,15 @@ class Cascade(Policy):
     def __post_init__(self):
         super().__post_init__()
         if self.sinks < 0:
-            raise UserError(f"--policy-arg sinks must be >= 0 (got {self.sinks})")
+            raise UserError(f"{setting('policy_args')} sinks must be >= 0 (got {self.sinks})")
         if self.cascades < 1:
-            raise UserError(f"--policy-arg cascades must be >= 1 (got {self.cascades})")
+            raise UserError(f"{setting('policy_args')} cascades must be >= 1 (got {self.cascades})")
         if self.reduce not in REDUCTIONS:
-            raise UserError(f"--policy-arg reduce must be one of {', '.join(REDUCTIONS)} "
-                            f"(got '{self.reduce}')")
+            raise UserError(f"{setting('policy_args')} reduce must be one of "
+                            f"{', '.join(REDUCTIONS)} (got '{self.reduce}')")
         if self.gamma > 1:
-            raise UserError(f"--policy-arg gamma must be in [0, 1] (or < 0 for the paper's "
-                            f"exp(-N ln(100)/|C|)); got {self.gamma}")
+            raise UserError(f"{setting('policy_args')} gamma must be in [0, 1] (or < 0 for the "
+                            f"paper's exp(-N ln(100)/|C|)); got {self.gamma}")
 
     # ------------------------------------------------------------------ sizing
     def minimum_slots(self) -> int:

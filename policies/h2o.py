@@ -19,7 +19,7 @@ Notes: policies/README.md#h2o
 """
 from dataclasses import dataclass
 
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.policies.registry import register
 from flexevict.policies.base import RingPolicy, add_attention
 
@@ -39,7 +39,7 @@ class H2O(RingPolicy):
     def __post_init__(self):
         super().__post_init__()
         if self.split not in SPLITS:
-            raise UserError(f"--policy-arg split={self.split}: expected one of "
+            raise UserError(f"{setting('policy_args')} split={self.split}: expected one of "
                             f"{', '.join(SPLITS)}")
 
     def prefix_slots(self, capacity: int) -> int:
@@ -66,8 +66,8 @@ class H2ORing(H2O):
     def __post_init__(self):
         super().__post_init__()
         if self.split != "half":
-            raise UserError("h2o-ring has the FlexGen code's own split; --policy-arg split is "
-                            "for h2o")
+            raise UserError(f"h2o-ring has the FlexGen code's own split; {setting('policy_args')} "
+                            "split is for h2o")
 
     def prefix_slots(self, capacity: int) -> int:
         return (capacity + 1) // 2

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from flexevict.core import kernels
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.core.kernels import WORD_BITS, hash_codes
 from flexevict.core.kv import Field, KVBuffer, gather_prompt, left_aligned
 
@@ -97,16 +97,17 @@ class HashEvict(RingPolicy):
     def __post_init__(self):
         super().__post_init__()
         if self.sinks < 0 or self.recent < 0:
-            raise UserError(f"--policy-arg sinks/recent must be >= 0 (got sinks={self.sinks}, "
-                            f"recent={self.recent})")
+            raise UserError(f"{setting('policy_args')} sinks/recent must be >= 0 (got "
+                            f"sinks={self.sinks}, recent={self.recent})")
         if not 1 <= self.hash_bits <= 1024:
-            raise UserError(f"--policy-arg hash_bits must be in [1, 1024] (got {self.hash_bits})")
+            raise UserError(f"{setting('policy_args')} hash_bits must be in [1, 1024] (got "
+                            f"{self.hash_bits})")
         if self.hash_source not in ("query", "key"):
-            raise UserError(f"--policy-arg hash_source must be 'query' or 'key' "
+            raise UserError(f"{setting('policy_args')} hash_source must be 'query' or 'key' "
                             f"(got {self.hash_source!r})")
         if self.prompt_pool not in ("replay", "recent_global"):
-            raise UserError(f"--policy-arg prompt_pool must be 'replay' or 'recent_global' "
-                            f"(got {self.prompt_pool!r})")
+            raise UserError(f"{setting('policy_args')} prompt_pool must be 'replay' or "
+                            f"'recent_global' (got {self.prompt_pool!r})")
 
     @property
     def words(self) -> int:

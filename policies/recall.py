@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from flexevict.core.kernels import put_rows, take_rows
 from flexevict.core.kv import KV, Field, Layout, gather_prompt, left_aligned
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.policies.base import Policy
 from flexevict.policies.registry import register
 
@@ -82,9 +82,9 @@ class Recall(Policy):
     def __post_init__(self):
         super().__post_init__()
         if self.page < 0 or self.sinks < 0 or self.window < 1:
-            raise UserError(f"--policy-arg page must be >= 0 (0: automatic), window >= 1 and "
-                            f"sinks >= 0 (got page={self.page}, sinks={self.sinks}, "
-                            f"window={self.window})")
+            raise UserError(f"{setting('policy_args')} page must be >= 0 (0: automatic), "
+                            f"window >= 1 and sinks >= 0 (got page={self.page}, "
+                            f"sinks={self.sinks}, window={self.window})")
 
     def minimum_slots(self) -> int:
         return self.sinks + min(self.pages_to_try()) + 3   # a page, a window slot, scratch
@@ -111,7 +111,7 @@ class Recall(Policy):
             need = min(math.ceil(total / p) + self.sinks + p + 2 for p in self.pages_to_try())
             raise UserError(f"budget of {slots} slots leaves no page to recall: recall needs "
                             f"at least {need} for {total} tokens (its page summaries take "
-                            f"part of the budget); raise --budget")
+                            f"part of the budget); raise {setting('budget')}")
         window = max(1, min(self.window, room // 4))     # a small budget goes to pages first
         pages = max(1, (room - window) // page)
         prefix = self.sinks + pages * page

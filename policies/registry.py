@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 
 from flexevict.policies.base import Policy
 
@@ -45,7 +45,7 @@ class PolicySpec:
         for item in policy_args or ():
             key, eq, value = item.partition("=")
             if not eq or not key:
-                raise UserError(f"--policy-arg '{item}' must look like name=value")
+                raise UserError(f"{setting('policy_args')} '{item}' must look like name=value")
             pairs.append((key.replace("-", "_"), value))
         spec = cls(name, budget, budget_tokens, tuple(pairs))
         spec.make()

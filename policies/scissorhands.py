@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 
 from flexevict.policies.registry import register
 from flexevict.core import kernels
@@ -58,14 +58,15 @@ class Scissorhands(RingPolicy):
     def __post_init__(self):
         super().__post_init__()
         if self.score not in ("count", "attention"):
-            raise UserError(f"--policy-arg score={self.score}: expected 'count' (the paper's "
-                            "low-attention counter) or 'attention' (windowed attention sum)")
+            raise UserError(f"{setting('policy_args')} score={self.score}: expected 'count' (the "
+                            "paper's low-attention counter) or 'attention' (windowed attention "
+                            "sum)")
         if self.recent < 1:
-            raise UserError(f"--policy-arg recent={self.recent}: must be >= 1 (the token being "
-                            "decoded is always among the recent tokens)")
+            raise UserError(f"{setting('policy_args')} recent={self.recent}: must be >= 1 (the "
+                            "token being decoded is always among the recent tokens)")
         if self.window < (1 if self.counting else 0):
-            raise UserError(f"--policy-arg window={self.window}: must be >= 1 (score=attention "
-                            "also accepts 0, no window)")
+            raise UserError(f"{setting('policy_args')} window={self.window}: must be >= 1 "
+                            "(score=attention also accepts 0, no window)")
 
     @property
     def counting(self) -> bool:

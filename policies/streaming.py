@@ -6,7 +6,7 @@ LLaMA keys are cached before RoPE and rotated by their rank inside the cache, th
 """
 from dataclasses import dataclass
 
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.policies.registry import register
 from flexevict.policies.base import RingPolicy
 
@@ -22,7 +22,7 @@ class Streaming(RingPolicy):
     def __post_init__(self):
         super().__post_init__()
         if self.sinks < 0:
-            raise UserError(f"--policy-arg sinks must be >= 0 (got {self.sinks})")
+            raise UserError(f"{setting('policy_args')} sinks must be >= 0 (got {self.sinks})")
 
     def min_prefix(self) -> int:
         return self.sinks

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from flexevict.core import kernels
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.core.kv import gather_prompt, left_aligned
 
 from flexevict.policies.registry import register
@@ -46,7 +46,7 @@ class TOVA(Policy):
     def __post_init__(self):
         super().__post_init__()
         if self.heads not in ("kv", "layer"):
-            raise UserError(f"--policy-arg heads={self.heads}: expected 'kv' (one "
+            raise UserError(f"{setting('policy_args')} heads={self.heads}: expected 'kv' (one "
                             "eviction per kv head) or 'layer' (all heads of a layer alike)")
 
     # ------------------------------------------------------------------ scores
@@ -70,8 +70,8 @@ class TOVA(Policy):
             return score
         h = getattr(buf, "kv_heads", None)
         if not h:
-            raise UserError("--policy-arg heads=layer needs an engine whose KV buffers know their "
-                            "kv-head count (buf.kv_heads); use heads=kv")
+            raise UserError(f"{setting('policy_args')} heads=layer needs an engine whose KV "
+                            "buffers know their kv-head count (buf.kv_heads); use heads=kv")
         n, rows = score.shape
         return score.view(n, rows // h, h).sum(-1, keepdim=True).expand(-1, -1, h).reshape(n, rows)
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 
 from flexevict.core.kernels import at_slots, candidate_slots
 
@@ -84,15 +84,18 @@ class ValueAware:
         object.__setattr__(self, "base", str(self.base).lower())
         object.__setattr__(self, "norm", str(self.norm).lower())
         if self.base not in BASES:
-            raise UserError(f"--policy-arg base={self.base}: expected one of {', '.join(BASES)}")
+            raise UserError(f"{setting('policy_args')} base={self.base}: expected one of "
+                            f"{', '.join(BASES)}")
         if self.fixed_norm and self.norm != self.fixed_norm:
-            raise UserError(f"policy '{self.name}' pins without a value norm (got --policy-arg "
-                            f"norm={self.norm}); use policy 'vatp' for a norm")
+            raise UserError(f"policy '{self.name}' pins without a value norm (got "
+                            f"{setting('policy_args')} norm={self.norm}); use policy 'vatp' for a "
+                            "norm")
         if self.norm not in NORMS:
-            raise UserError(f"--policy-arg norm={self.norm}: expected one of {', '.join(NORMS)}")
+            raise UserError(f"{setting('policy_args')} norm={self.norm}: expected one of "
+                            f"{', '.join(NORMS)}")
         if self.sinks < -1:
-            raise UserError(f"--policy-arg sinks={self.sinks}: must be >= 0 (or -1: scale "
-                            "with the context, the default)")
+            raise UserError(f"{setting('policy_args')} sinks={self.sinks}: must be >= 0 (or -1: "
+                            "scale with the context, the default)")
 
     def min_prefix(self) -> int:
         return 0 if self.sinks == 0 else 1      # room for at least the first token

@@ -167,3 +167,165 @@ def test_setup_installs_every_package():
              for d, _, files in os.walk(os.path.join(ROOT, "flexevict"))
              if "__init__.py" in files and "__pycache__" not in d}
     assert found <= listed, sorted(found - listed)
+
+
+# ---------------------------------------------------------------------------- error messages
+# Below the CLI a UserError names a setting with `errors.setting`, never as a flag: a library
+# caller reads the parameter's name, a command-line user the flag (`UserError.for_cli`).
+
+LIBRARY = ("flexevict/api.py", "flexevict/runtime", "flexevict/planner", "flexevict/evaluation",
+           "flexevict/jobs", "flexevict/io", "flexevict/core", "policies")
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+COMMAND = re.compile(r"`(?:python|pip|ray) [^`]*`")   # a shell command to run, with its flags
+ERRORS = {"UserError", "DoesNotFit", "RowError"}   # RowError's reason becomes a UserError's
+
+
+def library_files() -> list[str]:
+    out = []
+    for entry in LIBRARY:
+        path = os.path.join(ROOT, entry)
+        if path.endswith(".py"):
+            out.append(entry)
+            continue
+        for folder, _, files in os.walk(path):
+            out += sorted(os.path.relpath(os.path.join(folder, f), ROOT) for f in files
+                          if f.endswith(".py"))
+    return out
+
+
+def message_text(node: ast.AST) -> str:
+    """The literal text of a message expression in source order: string constants and the
+    literal parts of f-strings (implicit concatenation is one node already)."""
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else ""
+    return "".join(message_text(child) for child in ast.iter_child_nodes(node))
+
+
+def flags_in_errors(path: str) -> list[str]:
+    """'file:line: flags' for each error call whose message text names a flag."""
+    found = []
+    for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read(), path)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id",
+                                                  getattr(node.func, "attr", None)) in ERRORS:
+            text = "\n".join(message_text(a) for a in [*node.args,
+                                                       *(k.value for k in node.keywords)])
+            flags = FLAG.findall(COMMAND.sub("", text))
+            if flags:
+                found.append(f"{path}:{node.lineno}: {' '.join(flags)}")
+    return found
+
+
+@pytest.mark.parametrize("path", library_files())
+def test_library_errors_name_settings_not_flags(path):
+    """`--budget-tokens` in a library message is the CLI's word: write
+    f"{setting('budget_tokens')}" (errors.FLAGS for a flag that is not the name with dashes)."""
+    assert not flags_in_errors(path), flags_in_errors(path)
+
+
+def test_the_flag_finder_finds_flags_and_lets_commands_be():
+    tree = ast.parse('raise UserError(f"--top-p {x} must be <= 1; run `pip install --no-deps y` '
+                     'or `python -m flexevict.calibrate --out FILE`, not x--y")')
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call))
+    text = message_text(call.args[0])
+    assert FLAG.findall(COMMAND.sub("", text)) == ["--top-p"]
+
+
+def test_one_error_reads_as_names_in_the_library_and_as_flags_in_the_cli():
+    import subprocess
+    import sys
+    from flexevict.errors import UserError
+    from flexevict.policies.registry import get_policy
+    from flexevict.runtime.placement import Placement
+    with pytest.raises(UserError) as e:
+        Placement.from_percent([100, 0, 50, 60, 100, 0])
+    message = str(e.value)
+    assert message.startswith("percent for cache: GPU 50 + CPU 60") and "--" not in message
+    with pytest.raises(UserError) as e:
+        get_policy("streaming", budget=0.5, sinks=-1)       # a FLAGS entry: --policy-arg
+    assert str(e.value).startswith("policy_args sinks must be >= 0") and "--" not in str(e.value)
+    for argv, flag in ((["--percent", "100", "0", "50", "60", "100", "0"],
+                        "--percent for cache: GPU 50 + CPU 60"),
+                       (["--policy", "streaming", "--budget", "0.5", "--policy-arg", "sinks=-1"],
+                        "--policy-arg sinks must be >= 0")):
+        proc = subprocess.run([sys.executable, "-m", "flexevict.bench", "--model", "opt-125m",
+                               *argv], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        assert proc.returncode == 2, proc.stderr
+        assert f"flexevict.bench: error: {flag}" in proc.stderr, proc.stderr
+
+
+CLI_MODULES = ("flexevict.generate", "flexevict.eval", "flexevict.plan", "flexevict.calibrate",
+               "flexevict.convert", "flexevict.bench.throughput", "flexevict.bench.kernels")
+
+
+def cli_flags() -> set[str]:
+    """Every --flag the command-line tools define (their parsers, built by `--help`)."""
+    import argparse
+    import contextlib
+    import importlib
+    import io
+    from unittest import mock
+    flags, add = set(), argparse._ActionsContainer.add_argument
+
+    def record(self, *names, **kwargs):
+        flags.update(n for n in names if n.startswith("--"))
+        return add(self, *names, **kwargs)
+    with mock.patch.object(argparse._ActionsContainer, "add_argument", record):
+        for module in CLI_MODULES:
+            with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit):
+                importlib.import_module(module).main(["--help"])
+    return flags
+
+
+def test_every_setting_a_library_message_names_is_a_flag_of_the_cli():
+    """`setting("x")` reads as `as_flag("x")` on the command line: a flag the CLI has (else an
+    errors.FLAGS entry is missing)."""
+    from flexevict.errors import as_flag
+    named = {}
+    for path in library_files():
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read(), path)):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setting" and \
+                    node.args and isinstance(node.args[0], ast.Constant):
+                named.setdefault(node.args[0].value, f"{path}:{node.lineno}")
+    assert len(named) > 20
+    flags = cli_flags()
+    assert {"--percent", "--policy-arg", "--no-weight-cache", "--compress-cache"} <= flags
+    missing = {f"{where}: setting({name!r}) -> {as_flag(name)}" for name, where in named.items()
+               if as_flag(name) not in flags}
+    assert not missing, sorted(missing)
+
+
+# ---------------------------------------------------------------------------- signatures
+# A function that needs more than 8 parameters takes the dataclass they belong to instead
+# (a kernel call takes its buffer and layout, a run its Placement), as the C++ binding does.
+MAX_PARAMETERS = 8
+
+
+def wide_functions(path: str) -> list[str]:
+    """'file:line name(n)' for each function of `path` with more than MAX_PARAMETERS
+    parameters (self and cls not counted; *args and **kwargs count one each)."""
+    found = []
+    for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read(), path)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+            n = len(names) - (names[:1] in (["self"], ["cls"])) + bool(a.vararg) + bool(a.kwarg)
+            if n > MAX_PARAMETERS:
+                found.append(f"{path}:{node.lineno} {node.name}({n})")
+    return found
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    files = [os.path.relpath(os.path.join(folder, f), ROOT)
+             for top in ("flexevict", "policies", "bench")
+             for folder, _, names in os.walk(os.path.join(ROOT, top))
+             if "__pycache__" not in folder
+             for f in names if f.endswith(".py")]
+    assert len(files) > 50
+    assert [w for f in files for w in wide_functions(f)] == []
+
+
+def test_the_signature_check_counts_parameters(tmp_path):
+    (tmp_path / "m.py").write_text("class A:\n    def f(self, a, b, c, d, e, f, g, h): pass\n"
+                                   "def g(a, b, c, d, e, f, g, *h, i=1): pass\n")
+    assert wide_functions(str(tmp_path / "m.py")) == [f"{tmp_path / 'm.py'}:3 g(9)"]

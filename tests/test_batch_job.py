@@ -391,7 +391,7 @@ def test_a_lost_manifest_with_blocks_is_one_clear_error(tmp_path, damage):
         edited = json.load(open(path))
         edited["settings"]["--seed"] = 1
         open(path, "w").write(json.dumps(edited))
-    with pytest.raises(UserError, match="--restart to start over .* or put back the job's "
+    with pytest.raises(UserError, match="add restart to start over .* or put back the job's "
                                         "manifest.json"):
         reopen(tmp_path)
     assert len(os.listdir(s.blocks)) == 2                     # nothing discarded
@@ -455,8 +455,8 @@ def test_outputs_that_would_destroy_inputs_are_refused(tmp_path, case):
         inp = tmp_path / "fifo"
         os.mkfifo(inp)
         out = str(tmp_path / "o.jsonl")
-    want = {"a directory": "--output is a directory", "input is a directory":
-            "--input is a directory", "input is a FIFO": "not a regular file"}.get(
+    want = {"a directory": ": output is a directory", "input is a directory":
+            ": input is a directory", "input is a FIFO": "not a regular file"}.get(
                 case, "is the input file itself")
     with pytest.raises(UserError, match=want):
         check_paths(str(inp), out)

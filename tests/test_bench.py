@@ -93,10 +93,11 @@ def test_memory_error_names_a_placement_that_fits():
 
     with pytest.raises(UserError) as err:
         plan([100, 0, 100, 0, 100, 0]).check(torch.device("cpu"), None, limit)
-    fits = re.search(r"--percent ((?:\d+ ){5}\d+)((?: --compress-\w+)*) fits", str(err.value))
-    assert fits, str(err.value)
+    fits = re.search(r"percent ((?:\d+ ){5}\d+)((?: compress_\w+)*) fits", str(err.value))
+    assert fits, str(err.value)                    # the library's names: Placement's fields
     percent = [int(x) for x in fits.group(1).split()]
-    switches = {s[2:].replace("-", "_"): True for s in fits.group(2).split()}
+    switches = {s: True for s in fits.group(2).split()}
+    assert re.search(r"--percent (\d+ ){5}\d+(?: --compress-\w+)* fits", err.value.for_cli())
     assert percent[0] < 100                                      # weights partly elsewhere
     plan(percent, **switches).check(torch.device("cpu"), None, limit)   # it does fit
 

@@ -417,7 +417,7 @@ def test_logit_scale():
 
 @pytest.mark.parametrize("name", ["buzz", "buzz-logn"])
 def test_bad_input(name):
-    with pytest.raises(UserError, match="unknown --policy-arg"):
+    with pytest.raises(UserError, match="unknown policy_args"):
         get_policy(name, budget=0.5, window=3)
     with pytest.raises(UserError, match="minimum of 8"):
         get_policy(name, budget_tokens=7).layout(100, 10)

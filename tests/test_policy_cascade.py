@@ -516,7 +516,7 @@ def test_one_cascade_is_streaming(monkeypatch):
 # ------------------------------------------------------------------ bad input
 
 def test_bad_input():
-    with pytest.raises(UserError, match="unknown --policy-arg"):
+    with pytest.raises(UserError, match="unknown policy_args"):
         get_policy("cascade", budget=0.5, window=3)
     with pytest.raises(UserError, match="minimum of 9"):
         get_policy("cascade", budget_tokens=8).layout(100, 10)

@@ -459,7 +459,7 @@ def test_prefill_is_attention_free():
 # ------------------------------------------------------------------------------ bad input
 
 def test_bad_input():
-    with pytest.raises(UserError, match="unknown --policy-arg"):
+    with pytest.raises(UserError, match="unknown policy_args"):
         get_policy(NAME, budget=0.5, window=3)
     with pytest.raises(UserError, match="minimum of 17"):
         get_policy(NAME, budget_tokens=16).layout(100, 10)

@@ -188,7 +188,7 @@ def test_policy_arguments_are_typed_fields_converted_from_strings(name):
         as_string = str(value).lower() if isinstance(value, bool) else str(value)
         again = cls.from_args(**{key: as_string}).arguments()[key]
         assert again == value and type(again) is type(value), (key, again)
-    with pytest.raises(UserError, match="unknown --policy-arg nope") as e:
+    with pytest.raises(UserError, match="unknown policy_args nope") as e:
         cls.from_args(nope="1")
     assert all(key in str(e.value) for key in default.arguments())
 

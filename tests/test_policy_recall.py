@@ -53,7 +53,7 @@ def test_the_budget_pays_for_the_summaries_and_a_small_one_is_refused():
     small = get_policy("recall", budget_tokens=24).layout(40, 20)       # no page of 16 fits
     assert small.page == 8 and small.slots + small.summaries == 24
     assert get_policy("recall", budget_tokens=24, page=16).layout(10, 10).evicts is False
-    with pytest.raises(UserError, match="leaves no page to recall.*raise --budget"):
+    with pytest.raises(UserError, match="leaves no page to recall.*raise budget"):
         get_policy("recall", budget_tokens=24, page=16).layout(40, 20)
 
 

@@ -239,7 +239,7 @@ def test_rows_independent():
 # ------------------------------------------------------------------ bad input
 
 def test_bad_input():
-    with pytest.raises(UserError, match="unknown --policy-arg"):
+    with pytest.raises(UserError, match="unknown policy_args"):
         get_policy("scissorhands", budget=0.2, sinks=4)
     with pytest.raises(UserError, match="score"):
         get_policy("scissorhands", budget=0.2, score="value")

@@ -197,7 +197,7 @@ def test_rows_independent():
 # ------------------------------------------------------------------ bad input
 
 def test_bad_input():
-    with pytest.raises(UserError, match="unknown --policy-arg"):
+    with pytest.raises(UserError, match="unknown policy_args"):
         get_policy("tova", budget=0.2, window=4)
     with pytest.raises(UserError, match="heads"):
         get_policy("tova", budget=0.2, heads="query")

@@ -82,7 +82,7 @@ def test_every_policy_beats_local_at_20_percent_perplexity(quick):
         if p not in ("full", "local"):
             metrics = c[("ppl", p, 0.2)]["metrics"]
             if "skipped" in metrics:      # recall: 20% of the quick documents holds no page
-                assert p == "recall" and "raise --budget" in metrics["skipped"], metrics
+                assert p == "recall" and "raise budget" in metrics["skipped"], metrics
                 continue
             ppl = metrics["ppl"]
             assert math.isfinite(ppl) and ppl < local, (p, ppl, local)

@@ -261,12 +261,12 @@ def prefill_ops(shape: Shape, device, dtype, gen) -> list[Op]:
     pos = pos.expand(s, rows).contiguous()
     vrow = torch.ones(s, rows, dtype=torch.bool, device=device)
     scores = torch.rand(s, rows, generator=gen, device=device)
-    buf = KVBuffer(Layout(shape.slots), rows, d, dtype, device)
+    buf = KVBuffer(Layout(shape.slots, prefix=cap // 2, ring=cap - cap // 2), rows, d, dtype,
+                   device)
     return [Op("prefill attention + column sums",
                lambda i: kernels.prefill_attention(q, k, v, mask, valid, d ** -0.5)),
             Op("prompt top-k compaction",
-               lambda i: kernels.compact_prompt(buf, kp, vp, pos, vrow, scores, scores, cap // 2,
-                                                cap - cap // 2))]
+               lambda i: kernels.compact_prompt(buf, kp, vp, pos, vrow, scores, scores))]
 
 
 def quant_ops(shape: Shape, device, dtype, gen) -> list[Op]:

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.evaluation.retrieval import Retrieval
 from flexevict.evaluation.tasks import Agreement, AttentionLoss, Passkey, Ppl
 from flexevict.policies import POLICIES, PolicySpec
@@ -38,10 +38,10 @@ def parse_budgets(spec: str) -> list[float]:
         try:
             b = float(item)
         except ValueError:
-            raise UserError(f"--budgets: '{item}' is not a number (give fractions in (0, 1], "
-                            "e.g. 0.05,0.2,1.0)") from None
+            raise UserError(f"{setting('budgets')}: '{item}' is not a number (give fractions in "
+                            "(0, 1], e.g. 0.05,0.2,1.0)") from None
         if not 0 < b <= 1:
-            raise UserError(f"--budgets: {b} is outside (0, 1]")
+            raise UserError(f"{setting('budgets')}: {b} is outside (0, 1]")
         out.append(b)
     return sorted(set(out))
 
@@ -63,21 +63,22 @@ def parse_task_args(items, names: list[str]) -> dict[str, dict]:
         task, colon, pair = item.partition(":")
         name, eq, text = pair.partition("=")
         if not colon or not eq or not text:
-            raise UserError(f"--task-arg '{item}': it must look like task:name=value (e.g. "
-                            "ppl:tokens=8192)")
+            raise UserError(f"{setting('task_args')} '{item}': it must look like task:name=value "
+                            "(e.g. ppl:tokens=8192)")
         if task not in names:
-            raise UserError(f"--task-arg '{item}': '{task}' is not in --tasks ({', '.join(names)})")
+            raise UserError(f"{setting('task_args')} '{item}': '{task}' is not in "
+                            f"{setting('tasks')} ({', '.join(names)})")
         known = TASKS[task].sizes
         if name not in known:
-            raise UserError(f"--task-arg '{item}': task '{task}' has no size '{name}'; known: "
-                            f"{', '.join(known)}")
+            raise UserError(f"{setting('task_args')} '{item}': task '{task}' has no size '{name}'; "
+                            f"known: {', '.join(known)}")
         values = tuple(_number(v) for v in text.split(","))
         if isinstance(known[name][0], tuple):      # a list size (depths, lengths, kinds)
             out.setdefault(task, {})[name] = values
         elif len(values) == 1:
             out.setdefault(task, {})[name] = values[0]
         else:
-            raise UserError(f"--task-arg '{item}': that size takes one value")
+            raise UserError(f"{setting('task_args')} '{item}': that size takes one value")
     return out
 
 
@@ -105,21 +106,22 @@ def parse_policies(spec: str | None, policy_args=()) -> dict[str, tuple]:
     ((name, value), ...)}, in order; every policy and argument checked now (one-line errors)."""
     labels = list(POLICIES) if spec is None else [s.strip() for s in spec.split(",") if s.strip()]
     if len(set(labels)) != len(labels):
-        raise UserError("--policies names a label twice; tag repeats, e.g. h2o,h2o@ablation")
+        raise UserError(f"{setting('policies')} names a label twice; tag repeats, e.g. "
+                        "h2o,h2o@ablation")
     given: dict[str, list] = {label: [] for label in labels}
     for item in policy_args or ():
         label, colon, pair = item.partition(":")
         if not colon or "=" not in pair:
-            raise UserError(f"--policy-arg '{item}': in a sweep it must look like "
+            raise UserError(f"{setting('policy_args')} '{item}': in a sweep it must look like "
                             "policy:name=value (e.g. cascade:eager_fill=true)")
         if label not in given:
-            raise UserError(f"--policy-arg '{item}': '{label}' is not in --policies "
-                            f"({', '.join(labels)})")
+            raise UserError(f"{setting('policy_args')} '{item}': '{label}' is not in "
+                            f"{setting('policies')} ({', '.join(labels)})")
         given[label].append(pair)
     out = {}
     for label, pairs in given.items():
         if "@" in label and not label.partition("@")[2]:
-            raise UserError(f"--policies: '{label}' has an empty tag after '@'")
+            raise UserError(f"{setting('policies')}: '{label}' has an empty tag after '@'")
         out[label] = PolicySpec.parse(policy_name(label), policy_args=pairs).args
     return out
 
@@ -155,7 +157,7 @@ def load_results(path: str) -> dict:
             data = json.load(f)
         assert isinstance(data.get("cells"), dict)
     except (ValueError, AssertionError, AttributeError):
-        raise UserError(f"{path}: not a sweep results file; use another --out") from None
+        raise UserError(f"{path}: not a sweep results file; use another {setting('out')}") from None
     data.setdefault("runs", [])
     return data
 

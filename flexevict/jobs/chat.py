@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 
 
 class ChatTemplate:
@@ -27,7 +27,7 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except TemplateError as e:
             raise UserError(f"the model's chat template does not parse ({e}); "
-                            "drop --chat") from None
+                            f"drop {setting('chat')}") from None
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
 
     def render(self, messages: list[dict]) -> str:
@@ -53,8 +53,8 @@ def load_chat_template(weights: str, model: str) -> ChatTemplate:
     else:
         source, special = _folder_template(weights)
     if not source:
-        raise UserError(f"--chat: model {model} has no chat template (looked in {weights}); "
-                        "drop --chat and give plain prompts")
+        raise UserError(f"{setting('chat')}: model {model} has no chat template (looked in "
+                        f"{weights}); drop {setting('chat')} and give plain prompts")
     return ChatTemplate(source, *special)
 
 

@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 
 
 class RowError(Exception):
@@ -35,8 +35,9 @@ class RowError(Exception):
         return UserError(f"{self.where(path)}: {self.reason}")
 
     def as_record(self) -> dict:
-        """The row's line in the errors file."""
-        return {"id": self.id, "line": self.line, "error": self.reason}
+        """The row's line in the errors file (of `generate --input --on-error skip`: settings
+        named as flags)."""
+        return {"id": self.id, "line": self.line, "error": UserError(self.reason).for_cli()}
 
 
 @dataclass
@@ -99,7 +100,8 @@ def _check_messages(row: Row, chat: bool):
         raise RowError(row.line, row.id, '"messages" must be a non-empty list of '
                        '{"role": "...", "content": "..."}')
     if not chat:
-        raise RowError(row.line, row.id, 'chat "messages" need --chat (the model\'s chat template)')
+        raise RowError(row.line, row.id, f'chat "messages" need {setting("chat")} (the model\'s '
+                       "chat template)")
 
 
 class Prompter:
@@ -130,7 +132,7 @@ class Prompter:
             raise RowError(row.line, row.id, f"prompt of {nbytes} bytes (at "
                            f"least {fewest} tokens) + {self.max_new} new tokens exceeds the "
                            f"model's maximum of {self.limit} positions; shorten the prompt or "
-                           "--max-new-tokens")
+                           f"{setting('max_new_tokens')}")
         try:        # a template writes its own special tokens (HF's apply_chat_template too)
             ids = self.tokenizer.encode(text, special=self.template is None)
         except Exception as e:
@@ -140,12 +142,12 @@ class Prompter:
         if len(ids) + self.max_new - 1 > self.limit:
             raise RowError(row.line, row.id, f"prompt of {len(ids)} tokens + {self.max_new} new "
                            f"tokens exceeds the model's maximum of {self.limit} positions; "
-                           "shorten the prompt or --max-new-tokens")
+                           f"shorten the prompt or {setting('max_new_tokens')}")
         if self.policy is not None:
             try:       # e.g. --budget 0.1 of a short prompt is below the policy's minimum
                 self.policy.slots_for(len(ids), self.max_new)
             except UserError as e:
-                raise RowError(row.line, row.id, str(e)) from None
+                raise RowError(row.line, row.id, e.args[0]) from None   # settings unrendered
         return ids
 
 
@@ -230,7 +232,7 @@ def read_window(path: str, win: Window, size: int, prompter: Prompter, chat: boo
                 row.ids = prompter.encode(row)
             except RowError as e:
                 raise UserError(f"{e.where(path)}: line changed while the job ran ({e.reason}); "
-                                "rerun with --restart") from None
+                                f"rerun with {setting('restart')}") from None
             rows.append(row)
             if len(rows) == size:
                 break

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.jobs.blocks import rows_from_wire, rows_to_wire, run_block, window_todo
 
 INSTALL = 'pip install "flexevict[ray]"'
@@ -31,7 +31,7 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise UserError(f"--ray needs Ray; install it with `{INSTALL}`") from None
+        raise UserError(f"{setting('ray')} needs Ray; install it with `{INSTALL}`") from None
     return ray
 
 
@@ -63,8 +63,8 @@ def connect(ray, address: str) -> bool:
                  include_dashboard=False, logging_level="ERROR",
                  _system_config={"worker_niceness": 0} if starts else None)
     except (ConnectionError, ValueError, RuntimeError) as e:
-        raise UserError(f"--ray {address}: cannot connect ({e}); start the head with "
-                        "`ray start --head` or give --ray auto") from None
+        raise UserError(f"{setting('ray')} {address}: cannot connect ({e}); start the head with "
+                        f"`ray start --head` or give {setting('ray')} auto") from None
     return True
 
 
@@ -109,8 +109,9 @@ def _check_room(ray, workers: int, gpu: bool):
     have = ray.cluster_resources()
     for kind, need in (("CPU", workers), ("GPU", workers if gpu else 0)):
         if have.get(kind, 0) < need:
-            raise UserError(f"--workers {workers} needs {need} {kind}s on the Ray cluster, which "
-                            f"has {have.get(kind, 0):g}; give fewer --workers")
+            raise UserError(f"{setting('workers')} {workers} needs {need} {kind}s on the Ray "
+                            f"cluster, which has {have.get(kind, 0):g}; give fewer "
+                            f"{setting('workers')}")
 
 
 class EngineWorker:

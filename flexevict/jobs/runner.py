@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from flexevict.errors import Terminated, UserError
+from flexevict.errors import Terminated, UserError, setting
 from flexevict.runtime.progress import Progress
 from flexevict.jobs.blocks import run_block, window_todo
 from flexevict.jobs.inputs import scan
@@ -68,21 +68,21 @@ def check_paths(input_path: str, output: str):
     file and an output (or a file the job writes beside it) that is a directory or the input
     itself, through any symlink or hard link."""
     if os.path.isdir(input_path):
-        raise UserError(f"{input_path}: --input is a directory; give a JSONL file")
+        raise UserError(f"{input_path}: {setting('input')} is a directory; give a JSONL file")
     if os.path.exists(input_path) and not os.path.isfile(input_path):
-        raise UserError(f"{input_path}: --input is not a regular file (a FIFO or device); "
-                        "give a JSONL file")
+        raise UserError(f"{input_path}: {setting('input')} is not a regular file (a FIFO or "
+                        "device); give a JSONL file")
     if os.path.isfile(input_path) and not os.access(input_path, os.R_OK):
-        raise UserError(f"{input_path}: --input is not readable (permissions)")
+        raise UserError(f"{input_path}: {setting('input')} is not readable (permissions)")
     if os.path.isdir(output):
-        raise UserError(f"{output}: --output is a directory; give a file name, e.g. "
+        raise UserError(f"{output}: {setting('output')} is a directory; give a file name, e.g. "
                         f"{os.path.join(output, 'out.jsonl')}")
     written = [output, output + ".partial", *paths_for(output).values()]
     for path in written:
         if os.path.exists(path) and os.path.exists(input_path) and \
                 os.path.samefile(path, input_path):
             raise UserError(f"{path} is the input file itself; the job would overwrite its "
-                            "input: give another --output")
+                            f"input: give another {setting('output')}")
 
 
 def _check_input(spec: JobSpec, paths: dict):

@@ -31,7 +31,7 @@ import shutil
 import sys
 import time
 
-from flexevict.errors import UserError
+from flexevict.errors import FLAGS, UserError, setting
 
 MANIFEST, LOCK, BLOCKS, DAMAGED = "manifest.json", "lock", "blocks", "damaged"
 VERSION = 3                   # 2: blocks carry their SHA-256; 3: the manifest too
@@ -147,7 +147,7 @@ class JobState:
             os.makedirs(self.blocks, exist_ok=True)
         except OSError as e:
             raise UserError(f"{self.folder}: cannot create the job's state folder ({e.strerror}); "
-                            "give an --output in a writable directory") from None
+                            f"give an {setting('output')} in a writable directory") from None
         for name in os.listdir(self.blocks):           # a temporary file of a killed run
             if name.endswith(".tmp"):
                 os.remove(os.path.join(self.blocks, name))
@@ -169,8 +169,8 @@ class JobState:
     def _read_manifest(self) -> dict | None:
         """The manifest, None when absent (and no block is there either)."""
         path = os.path.join(self.folder, MANIFEST)
-        ways = ("add --restart to start over (its committed rows are discarded), or put back "
-                f"the job's {MANIFEST}")
+        ways = (f"add {setting('restart')} to start over (its committed rows are discarded), or "
+                f"put back the job's {MANIFEST}")
         if not os.path.exists(path):
             if self._names():
                 raise UserError(f"{self.folder} holds committed blocks but no {MANIFEST}; {ways}")
@@ -229,17 +229,17 @@ class JobState:
             self._lock.close()
             self._lock = None
             raise UserError(f"{self.folder} is in use by another run of this job; wait for it "
-                            "to finish, or give another --output") from None
+                            f"to finish, or give another {setting('output')}") from None
 
     def _refuse_changes(self, old: dict, new: dict):
-        how = ("rerun with the same input and settings to continue it, or add --restart to "
-               "start over (its committed rows are discarded)")
+        how = ("rerun with the same input and settings to continue it, or add "
+               f"{setting('restart')} to start over (its committed rows are discarded)")
         if old.get("version") != VERSION:
             raise UserError(f"{self.folder} was written by another version of flexevict; {how}")
         if old["input"] != new["input"]:
             raise UserError(f"{self.output}: the input file changed since this job started "
                             f"(size or SHA-256 differ); {how}")
-        changed = [f"{k} {_show(old['settings'].get(k))} -> {_show(v)}"
+        changed = [f"{_setting_of(k)} {_show(old['settings'].get(k))} -> {_show(v)}"
                    for k, v in new["settings"].items() if old["settings"].get(k) != v]
         if changed:
             raise UserError(f"{self.output}: this job was started with other settings "
@@ -310,7 +310,7 @@ class JobState:
                 os.fsync(out.fileno())
             if totals["rows"] != rows:
                 raise UserError(f"{self.folder}: {totals['rows']} rows committed, expected "
-                                f"{rows}; add --restart to generate the job again")
+                                f"{rows}; add {setting('restart')} to generate the job again")
             os.replace(tmp, self.output)
         except OSError as e:
             raise disk_error(self.output, e, os.path.getsize(tmp) if os.path.exists(tmp)
@@ -340,6 +340,12 @@ def _add(totals: dict, record: dict):
     totals["generate_seconds"] += record["seconds"]
     if record["resolved"] not in totals["resolved"]:
         totals["resolved"].append(record["resolved"])
+
+
+def _setting_of(key: str) -> str:
+    """A settings key of the manifest (a flag, `JobSpec.settings`) as `setting` names it."""
+    name = {flag: name for name, flag in FLAGS.items()}.get(key, key[2:].replace("-", "_"))
+    return setting(name)
 
 
 def _show(v) -> str:

@@ -57,7 +57,7 @@ import time
 import torch
 
 from flexevict.core.config import ARCHS, DTYPES, default_dtype
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.runtime.machine import device_name
 
 SCHEMA = 3       # 3: prefill attention with prompt scores is one fused pass
@@ -174,7 +174,8 @@ class Calibration:
             src = self.path or "the calibration"
             raise UserError(f"{src} has no measurements for {what} and cannot measure them on "
                             "this machine; give a calibration made on the target machine "
-                            "(python -m flexevict.calibrate there) or drop --calibration")
+                            "(`python -m flexevict.calibrate` there) or drop "
+                            f"{setting('calibration')}")
 
     def save(self):
         if self.path and self.measure_ok:
@@ -279,13 +280,13 @@ def read_file(path: str, threads: int | None = None) -> Calibration:
         with open(path) as f:
             data = json.load(f)
     except OSError as e:
-        raise UserError(f"--calibration {path}: cannot read it ({e.strerror})") from None
+        raise UserError(f"{setting('calibration')} {path}: cannot read it ({e.strerror})") from None
     except json.JSONDecodeError as e:
-        raise UserError(f"--calibration {path}: not a calibration JSON ({e.msg}); write one "
-                        "with python -m flexevict.calibrate --out FILE") from None
+        raise UserError(f"{setting('calibration')} {path}: not a calibration JSON ({e.msg}); write "
+                        "one with `python -m flexevict.calibrate --out FILE`") from None
     if data.get("schema") != SCHEMA or "links" not in data:
-        raise UserError(f"--calibration {path}: not a calibration of schema {SCHEMA}; write "
-                        "one with python -m flexevict.calibrate --out FILE")
+        raise UserError(f"{setting('calibration')} {path}: not a calibration of schema {SCHEMA}; "
+                        "write one with `python -m flexevict.calibrate --out FILE`")
     return Calibration(data, path, measure_ok=False, threads=threads)
 
 
@@ -390,7 +391,7 @@ def measure_disk(folder: str, nbytes: int) -> dict:
         fd, path = tempfile.mkstemp(prefix="calibrate-", suffix=".bin", dir=folder)
         os.close(fd)
     except OSError as e:
-        raise UserError(f"--offload-dir {folder}: cannot write a test file there "
+        raise UserError(f"{setting('offload_dir')} {folder}: cannot write a test file there "
                         f"({e.strerror}); give a writable directory") from None
     src = torch.ones(nbytes, dtype=torch.uint8)
     try:
@@ -1027,7 +1028,7 @@ def synthetic(kind: str) -> dict:
     """A calibration from datasheet numbers (marked synthetic): plans for a machine you do not
     have (the H2O check of OPT-6.7B on an 80 GB GPU uses kind 'h100')."""
     if kind not in SYNTHETIC:
-        raise UserError(f"--synthetic {kind}: known kinds are {', '.join(SYNTHETIC)}")
+        raise UserError(f"{setting('synthetic')} {kind}: known kinds are {', '.join(SYNTHETIC)}")
     s = SYNTHETIC[kind]
     launch = {"block_s": 150e-6, "ends_s": 100e-6, "weight_job_s": 30e-6,
               "cache_job_s": 60e-6}

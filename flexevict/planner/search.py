@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexevict.errors import UserError
+from flexevict.errors import UserError, as_flag, setting
 from flexevict.planner.calibration import load as load_calibration
 from flexevict.planner.costmodel import CostModel, Estimate
 from flexevict.runtime.machine import device_name
@@ -277,11 +277,13 @@ def _cache_options(request, nb: int) -> list[tuple[tuple, tuple]]:
 
 # ---------------------------------------------------------------------------- explaining
 
-def flags(p: Placement) -> str:
-    """The command-line flags that give placement p (switches only where on)."""
-    out = [f"--percent {' '.join(map(str, p.percent))}", f"--gpu-batch-size {p.gpu_batch_size}",
-           f"--num-gpu-batches {p.num_gpu_batches}"]
-    out += [f"--{name.replace('_', '-')}" for name in SWITCHES if getattr(p, name)]
+def flags(p: Placement, named=as_flag) -> str:
+    """The command-line flags that give placement p (switches only where on); named=setting:
+    the settings, for a UserError message."""
+    out = [f"{named('percent')} {' '.join(map(str, p.percent))}",
+           f"{named('gpu_batch_size')} {p.gpu_batch_size}",
+           f"{named('num_gpu_batches')} {p.num_gpu_batches}"]
+    out += [named(name) for name in SWITCHES if getattr(p, name)]
     return " ".join(out)
 
 
@@ -347,13 +349,14 @@ def next_best(plan: Plan) -> str | None:
     return f"next best: {what}, {best / plan.best.throughput:.2f}x predicted"
 
 
-def _change(new: Placement, name: str) -> str:
-    """The flag that gives `new` its value of the placement field `name`."""
+def _change(new: Placement, name: str, named=as_flag) -> str:
+    """The flag (named=setting: the setting) that gives `new` its value of the placement field
+    `name`."""
     if name == "percent":
-        return f"--percent {' '.join(map(str, new.percent))}"
+        return f"{named('percent')} {' '.join(map(str, new.percent))}"
     if name in SWITCHES:
-        return f"--{name.replace('_', '-')} {str(getattr(new, name)).lower()}"
-    return f"--{name.replace('_', '-')} {getattr(new, name)}"
+        return f"{named(name)} {str(getattr(new, name)).lower()}"
+    return f"{named(name)} {getattr(new, name)}"
 
 
 def report(plan: Plan, top: int = 5, alternatives: bool = True) -> list[str]:
@@ -391,8 +394,8 @@ def infeasible_line(model: CostModel, request: PlacementRequest, limits: Limits,
                     err: Infeasible) -> str:
     """One line: the binding resource, and the smallest change that fits (one flag set free,
     else every flag, else the limit it would take)."""
-    flag = {"GPU": "--gpu-mem-limit", "CPU": "--cpu-mem-limit", "disk": "free disk under "
-            "--offload-dir"}[err.resource]
+    flag = {"GPU": setting("gpu_mem_limit"), "CPU": setting("cpu_mem_limit"),
+            "disk": f"free disk under {setting('offload_dir')}"}[err.resource]
     head = (f"does not fit: {err.resource} memory binds (the closest placement needs "
             f"{_gib(err.need)}, the limit is {_gib(err.have)}: {flag})")
     fixes = []
@@ -401,22 +404,22 @@ def infeasible_line(model: CostModel, request: PlacementRequest, limits: Limits,
             continue
         try:
             alt = search(model, request.freed(name), limits, top=1).best
-            fixes.append((alt.throughput, _change(alt.placement, name), alt.total_s))
+            fixes.append((alt.throughput, _change(alt.placement, name, setting), alt.total_s))
         except Infeasible:
             pass
     if not fixes and not _all_free(request):
         try:
             alt = search(model, _free_all(request), limits, top=1).best
-            fixes.append((alt.throughput, f"{flags(alt.placement)} (every placement flag auto)",
-                          alt.total_s))
+            every = f"{flags(alt.placement, setting)} (every placement flag auto)"
+            fixes.append((alt.throughput, every, alt.total_s))
         except Infeasible:
             pass
     if fixes:
         tput, change, total = max(fixes)
         return (f"{head}; smallest change that fits: {change} (predicted {tput:.3f} token/s, "
                 f"{wall_time(total)} for the batch)")
-    return (f"{head}; no placement fits: give {err.resource} memory of at least "
-            f"{_gib(err.need)}, or lower --prompt-len / --gen-len or --budget")
+    return (f"{head}; no placement fits: give {err.resource} memory of at least {_gib(err.need)}, "
+            f"or lower {setting('prompt_len')} / {setting('gen_len')} or {setting('budget')}")
 
 
 def _all_free(request: PlacementRequest) -> bool:
@@ -484,9 +487,10 @@ def cost_model_for(work: Workload, calibration_path: str | None = None,
     device = torch.device(work.device)
     if device.type == "cuda" and not torch.cuda.is_available() and not calibration_path \
             and not os.environ.get("FLEXEVICT_CALIBRATION"):
-        raise UserError("planning for a GPU on a machine without one needs --calibration FILE "
-                        "(python -m flexevict.calibrate --out FILE on that machine, or "
-                        "--synthetic h100)")
+        raise UserError("planning for a GPU on a machine without one needs "
+                        f"{setting('calibration')} FILE "
+                        "(`python -m flexevict.calibrate --out FILE` on that machine, or "
+                        f"{setting('synthetic')} h100)")
     cal = load_calibration(device, threads, offload_dir, path=calibration_path, log=log)
     return with_calibration(work, cal)
 

@@ -13,7 +13,7 @@ import torch
 
 from flexevict.core.kv import Layout
 from flexevict.runtime.engine import Engine, check_length, left_pad  # noqa: F401 - left_pad: callers' helper
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.runtime.progress import Progress
 
 
@@ -34,11 +34,12 @@ class Sampling:
     def check(self):
         if not self.greedy:
             if self.temperature < 0:
-                raise UserError(f"--temperature must be >= 0 (got {self.temperature}; 0 is greedy)")
+                raise UserError(f"{setting('temperature')} must be >= 0 "
+                                f"(got {self.temperature}; 0 is greedy)")
             if not 0 < self.top_p <= 1:
-                raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})")
+                raise UserError(f"{setting('top_p')} must be in (0, 1] (got {self.top_p})")
             if self.top_k < 0:
-                raise UserError(f"--top-k must be >= 0 (got {self.top_k})")
+                raise UserError(f"{setting('top_k')} must be >= 0 (got {self.top_k})")
 
 
 class Sampler:
@@ -100,7 +101,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, policy,
     sequence stops after emitting a stop id (the stop id is kept in its output). row_seeds:
     one sampling seed per prompt (see `Sampler`); default one generator seeded by sampling.seed."""
     if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
+        raise UserError(f"{setting('max_new_tokens')} must be >= 1 (got {max_new_tokens})")
     sampling.check()
     engine = as_engine(model)
     sample = Sampler(sampling, engine.tiers.compute, row_seeds)
@@ -148,7 +149,7 @@ def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None 
     layout = policy.layout(n - 1, 1)               # the slots for n tokens in all
     p0 = min(prefill_tokens or (layout.slots if layout.evicts else n - 1), n - 1)
     if p0 < 1:
-        raise UserError(f"--prefill-tokens must be >= 1 (got {p0})")
+        raise UserError(f"{setting('prefill_tokens')} must be >= 1 (got {p0})")
     engine = as_engine(model)
     target = torch.tensor(docs, dtype=torch.long, device=engine.tiers.compute)    # (B, N)
     rows = engine.placement.batch_rows(len(docs))

@@ -12,7 +12,7 @@ import torch
 
 from flexevict.runtime.engine import POOL, split_weights, stages_for
 from flexevict.runtime import rundir
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.core.kernels.quant import GROUP
 from flexevict.core.model import load_layer_weights, load_outer_weights
 from flexevict.io.weights import MetaWeights
@@ -190,7 +190,7 @@ class MemoryPlan:
             self._does_not_fit(device, gpu_limit, host_limit, "GPU", need, gpu_limit)
         if cpu_limit is not None and host + process_anon() > cpu_limit:
             self._does_not_fit(device, gpu_limit, host_limit, "CPU", need, cpu_limit,
-                               host + process_anon(), "--cpu-mem-limit")
+                               host + process_anon(), setting("cpu_mem_limit"))
         if available is not None and host > available:
             self._does_not_fit(device, gpu_limit, host_limit, "CPU", need, available, host)
         if need["disk"]:
@@ -198,8 +198,9 @@ class MemoryPlan:
             free = disk_free(self.placement.offload_dir)
             if need["disk"] > free:
                 raise UserError(f"not enough disk: about {need['disk'] / GIB:.1f} GiB needed under "
-                                f"--offload-dir but {free / GIB:.1f} GiB free; choose another "
-                                "--offload-dir or keep more on the CPU (--percent)")
+                                f"{setting('offload_dir')} but {free / GIB:.1f} GiB free; choose "
+                                f"another {setting('offload_dir')} or keep more on the CPU "
+                                f"({setting('percent')})")
 
     def _does_not_fit(self, device, gpu_limit, host_limit: float, *message) -> None:
         """Raise DoesNotFit: `_message(*message)` with the placement `fitting` finds."""
@@ -248,10 +249,11 @@ class MemoryPlan:
         return None
 
     def flags_of(self, q) -> str:
-        """The flags that turn this run's placement into q (a `fitting` result)."""
-        added = [f"--{n.replace('_', '-')}" for n in ("compress_weight", "compress_cache")
+        """The settings that turn this run's placement into q (a `fitting` result), named by
+        `setting` (flags on the command line)."""
+        added = [setting(n) for n in ("compress_weight", "compress_cache")
                  if getattr(q, n) and not getattr(self.placement, n)]
-        return " ".join([f"--percent {' '.join(map(str, q.percent))}", *added])
+        return " ".join([f"{setting('percent')} {' '.join(map(str, q.percent))}", *added])
 
     def _message(self, what: str, need: dict, have: int, total: int | None = None,
                  limit: str | None = None, fits=None) -> str:
@@ -261,17 +263,20 @@ class MemoryPlan:
         total = need["gpu"] if total is None else total
         where = f"the {limit} of {have / GIB:.1f} GiB" if limit else \
             f"{have / GIB:.1f} GiB are available"
+        percent, batch = setting("percent"), (f"{setting('gpu_batch_size')} / "
+                                              f"{setting('num_gpu_batches')} or "
+                                              f"{setting('budget')}")
         if fits:
-            fix = (f"{self.flags_of(fits)} fits (same batch; `--percent auto` picks the fastest "
+            fix = (f"{self.flags_of(fits)} fits (same batch; `{percent} auto` picks the fastest "
                    "placement that fits)")
         else:
-            fix = ("no --percent fits this batch, even compressed: lower --gpu-batch-size / "
-                   "--num-gpu-batches or --budget, or give --offload-dir a disk with more room"
-                   if fits is False else "move weights or cache to a lower tier with --percent, "
-                   "lower --gpu-batch-size / --num-gpu-batches or --budget, or add "
-                   "--compress-weight / --compress-cache")
+            fix = (f"no {percent} fits this batch, even compressed: lower {batch}, or give "
+                   f"{setting('offload_dir')} a disk with more room"
+                   if fits is False else f"move weights or cache to a lower tier with {percent}, "
+                   f"lower {batch}, or add {setting('compress_weight')} / "
+                   f"{setting('compress_cache')}")
         return (f"out of {what} memory: {self.config.name} with {len(self.sizes)} GPU batch(es) "
-                f"of {max(self.sizes)} at --percent {' '.join(map(str, p.percent))} needs about "
+                f"of {max(self.sizes)} at {percent} {' '.join(map(str, p.percent))} needs about "
                 f"{total / GIB:.1f} GiB of {what} memory but {where}; {fix}")
 
 

@@ -29,7 +29,7 @@ import torch
 from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
 from flexevict.core.kv import KVBuffer
 from flexevict.runtime import rundir
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 
 PAGE = mmap.PAGESIZE
 
@@ -98,7 +98,7 @@ class Tiers:
                 f.truncate(nbytes)                       # sparse file, reads as zeros
             return map_file(path, shape, dtype)
         except OSError as e:
-            raise UserError(f"--offload-dir {self.offload_dir}: cannot write {path} "
+            raise UserError(f"{setting('offload_dir')} {self.offload_dir}: cannot write {path} "
                             f"({e.strerror}); free disk space or choose another "
                             "directory") from None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 
 # where disk-tier files go unless --offload-dir says otherwise (every default of it is this)
 DEFAULT_OFFLOAD_DIR = "~/flexevict_offload_dir"
@@ -39,27 +39,30 @@ class Placement:
     @classmethod
     def from_percent(cls, percent, **flags) -> "Placement":
         if len(percent) != 6:
-            raise UserError(f"--percent takes six integers (weights, cache, activations on GPU "
-                            f"and CPU), got {len(percent)}")
+            raise UserError(f"{setting('percent')} takes six integers (weights, cache, activations "
+                            f"on GPU and CPU), got {len(percent)}")
         return cls(*percent, **flags).checked()
 
     def checked(self) -> "Placement":
         for what, gpu, cpu in self.pairs():
             if min(gpu, cpu) < 0 or gpu + cpu > 100:
-                raise UserError(f"--percent for {what}: GPU {gpu} + CPU {cpu} must be two "
-                                "non-negative integers summing to at most 100 (the rest is disk)")
+                raise UserError(f"{setting('percent')} for {what}: GPU {gpu} + CPU {cpu} must be "
+                                "two non-negative integers summing to at most 100 (the rest is "
+                                "disk)")
         if self.act_gpu not in (0, 100) and self.act_cpu not in (0, 100):
             raise UserError("activations must be 100% on one tier (FlexGen's rule); use "
-                            "--percent ... 100 0 or ... 0 100")
+                            f"{setting('percent')} ... 100 0 or ... 0 100")
         if self.act_gpu + self.act_cpu != 100:
             raise UserError("activations on disk are not supported; put them on the GPU or CPU "
-                            "(last two --percent values 100 0 or 0 100)")
+                            f"(last two {setting('percent')} values 100 0 or 0 100)")
         if self.gpu_batch_size < 0 or self.num_gpu_batches < 1:
-            raise UserError(f"--gpu-batch-size must be >= 1 and --num-gpu-batches >= 1 (got "
-                            f"{self.gpu_batch_size} and {self.num_gpu_batches})")
+            raise UserError(f"{setting('gpu_batch_size')} must be >= 1 and "
+                            f"{setting('num_gpu_batches')} >= 1 (got {self.gpu_batch_size} and "
+                            f"{self.num_gpu_batches})")
         if (self.compress_cache and self.cache_gpu not in (0, 100)
                 and self.cache_cpu not in (0, 100)):
-            raise UserError("--compress-cache needs the cache 100% on one tier (FlexGen's rule)")
+            raise UserError(f"{setting('compress_cache')} needs the cache 100% on one tier "
+                            "(FlexGen's rule)")
         return self
 
     def pairs(self):
@@ -88,8 +91,9 @@ class Placement:
         num_gpu_batches batches."""
         nb, gbs = self.num_gpu_batches, self.gpu_batch_size
         if gbs and n > gbs * nb:
-            raise UserError(f"{n} prompts exceed one block of --num-gpu-batches {nb} x "
-                            f"--gpu-batch-size {gbs}; raise either or give fewer prompts")
+            raise UserError(f"{n} prompts exceed one block of {setting('num_gpu_batches')} {nb} x "
+                            f"{setting('gpu_batch_size')} {gbs}; raise either or give fewer "
+                            "prompts")
         gbs = gbs or -(-n // nb)
         return [min(gbs, n - a) for a in range(0, n, gbs)]
 

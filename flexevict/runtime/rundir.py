@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 
 PREFIX = "run-"
 OWNER = "owner"
@@ -30,7 +30,7 @@ def create(offload_dir: str) -> str:
         with open(os.path.join(path, OWNER), "w") as f:
             f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
     except OSError as e:
-        raise UserError(f"--offload-dir {offload_dir}: cannot create a folder there "
+        raise UserError(f"{setting('offload_dir')} {offload_dir}: cannot create a folder there "
                         f"({e.strerror}); give a writable directory") from None
     _open.add(path)
     return path
@@ -51,7 +51,7 @@ def check_writable(offload_dir: str) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise UserError(f"--offload-dir {offload_dir}: not a writable directory "
+        raise UserError(f"{setting('offload_dir')} {offload_dir}: not a writable directory "
                         f"({e.strerror}); give a writable directory") from None
 
 

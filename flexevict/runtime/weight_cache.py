@@ -22,7 +22,7 @@ import shutil
 import torch
 
 from flexevict.core.kernels.quant import Packed4bit, quantize_4bit
-from flexevict.errors import UserError
+from flexevict.errors import UserError, setting
 from flexevict.runtime import rundir
 from flexevict.runtime.offload import map_file
 
@@ -137,9 +137,9 @@ def _write(path: str, t: torch.Tensor) -> torch.Tensor:
     except OSError as e:
         with contextlib.suppress(OSError):
             os.remove(part)
-        raise UserError(f"--offload-dir: cannot keep dummy weights in {os.path.dirname(path)} "
-                        f"({e.strerror}); free disk space there or pass --no-weight-cache"
-                        ) from None
+        raise UserError(f"{setting('offload_dir')}: cannot keep dummy weights in "
+                        f"{os.path.dirname(path)} ({e.strerror}); free disk space there or "
+                        f"turn the weight cache off ({setting('weight_cache')})") from None
     out = map_file(part, t.shape, t.dtype)
     out.copy_(t)
     os.replace(part, path)
