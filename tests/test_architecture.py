@@ -231,9 +231,8 @@ def test_the_flag_finder_finds_flags_and_lets_commands_be():
 
 
 def test_one_error_reads_as_names_in_the_library_and_as_flags_in_the_cli():
-    import subprocess
-    import sys
     from flexevict.errors import UserError
+    from test_cli import run                     # the bench CLI's main, in this process
     from flexevict.policies.registry import get_policy
     from flexevict.runtime.placement import Placement
     with pytest.raises(UserError) as e:
@@ -247,9 +246,7 @@ def test_one_error_reads_as_names_in_the_library_and_as_flags_in_the_cli():
                         "--percent for cache: GPU 50 + CPU 60"),
                        (["--policy", "streaming", "--budget", "0.5", "--policy-arg", "sinks=-1"],
                         "--policy-arg sinks must be >= 0")):
-        proc = subprocess.run([sys.executable, "-m", "flexevict.bench", "--model", "opt-125m",
-                               *argv], capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        proc = run("bench", "--model", "opt-125m", *argv)
         assert proc.returncode == 2, proc.stderr
         assert f"flexevict.bench: error: {flag}" in proc.stderr, proc.stderr
 

@@ -41,8 +41,8 @@ def test_quick_start_installs_the_cpu_build_of_torch():
 
 
 def test_flags_named_for_generate_exist():
-    helptext = subprocess.run([sys.executable, "-m", "flexevict.generate", "--help"],
-                              capture_output=True, text=True).stdout
+    from test_cli import run                     # generate's main, in this process
+    helptext = run("generate", "--help").stdout
     span = README.split("### Generate", 1)[1].split("### Evaluate", 1)[0]   # + Batch jobs
     for section in (span, folder_readme("flexevict/jobs")):   # Batch jobs' full text is there
         section = "\n".join(ln for ln in section.splitlines() if not ln.startswith("ray start"))
