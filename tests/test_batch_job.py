@@ -23,15 +23,16 @@ def write_rows(path, rows):
 
 
 def job(tmp_path, model, *extra, out="out.jsonl", inp="in.jsonl", fault=None):
-    """Run the job as a subprocess -> CompletedProcess. fault: (signal, where, k) sends the
-    process that signal before or after its k-th block commit (tests/fault_job.py)."""
-    run = [sys.executable, "-m", "flexevict.generate"] if fault is None else \
-        [sys.executable, os.path.join(os.path.dirname(__file__), "fault_job.py"), *map(str, fault)]
-    return subprocess.run([*run, "--model", model,
-                           "--input", str(tmp_path / inp), "--output", str(tmp_path / out),
-                           "--max-new-tokens", "6", "--threads", "1", *BLOCKS, *extra],
-                          capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"),
-                          timeout=300)
+    """Run the job -> CompletedProcess: `generate`'s main in this process (test_cli.run), or
+    with a fault (signal, where, k) a subprocess that gets that signal before or after its k-th
+    block commit (tests/fault_job.py)."""
+    argv = ["--model", model, "--input", str(tmp_path / inp), "--output", str(tmp_path / out),
+            "--max-new-tokens", "6", "--threads", "1", *BLOCKS, *extra]
+    if fault is None:
+        return run("generate", *argv)
+    return subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "fault_job.py"),
+                           *map(str, fault), *argv], capture_output=True, text=True,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=300)
 
 
 @pytest.fixture(scope="module")
