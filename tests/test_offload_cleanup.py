@@ -12,7 +12,7 @@ import pytest
 
 from flexevict.runtime import rundir
 from flexevict.errors import UserError
-from test_cli import assert_user_error, run, tiny_dir  # noqa: F401 (fixture)
+from test_cli import assert_user_error, run, run_process, tiny_dir  # noqa: F401 (fixture)
 
 DISK = ["--percent", "0", "0", "100", "0", "100", "0"]           # every weight on disk
 
@@ -24,13 +24,14 @@ def runs(folder) -> list[str]:
 
 @pytest.mark.slow
 def test_generate_and_eval_remove_their_run_folder(tmp_path, tiny_dir):  # noqa: F811
+    """By the time the process has exited (real processes: the folder goes at exit)."""
     off = tmp_path / "off"
-    proc = run("generate", "--model", tiny_dir, "--prompt", "hello", "--max-new-tokens", "3",
-               *DISK, "--offload-dir", str(off))
+    proc = run_process("generate", "--model", tiny_dir, "--prompt", "hello", "--max-new-tokens",
+                       "3", *DISK, "--offload-dir", str(off))
     assert proc.returncode == 0, proc.stderr
     (tmp_path / "t.txt").write_text("some text to score " * 5)
-    proc = run("eval", "ppl", "--model", tiny_dir, "--text", str(tmp_path / "t.txt"), *DISK,
-               "--max-tokens", "30", "--offload-dir", str(off))
+    proc = run_process("eval", "ppl", "--model", tiny_dir, "--text", str(tmp_path / "t.txt"),
+                       *DISK, "--max-tokens", "30", "--offload-dir", str(off))
     assert proc.returncode == 0, proc.stderr
     assert os.path.isdir(off) and runs(off) == []
 
