@@ -1,5 +1,7 @@
-"""Every CLI error path: one line on stderr naming the problem, exit code 2, no traceback, and no
-output file that looks complete. Also a real end-to-end run of each CLI on a tiny model."""
+"""Every CLI error path: one line on stderr naming the problem, exit code 2, no traceback (an
+exception escaping main fails the test), and no output file that looks complete. Also a real
+end-to-end run of each CLI on a tiny model. The CLIs run in this process (`run`); one check
+runs a real interpreter (`run_process`)."""
 import contextlib
 import importlib
 import io
