@@ -27,12 +27,14 @@ def cuda_extension() -> dict:
         import torch
     except ImportError:                      # e.g. an isolated build environment without torch
         return {}
+    if not torch.version.cuda:
+        return {}
     # loaded by path: the package itself is not importable while it is being installed
     spec = importlib.util.spec_from_file_location("flexevict_build",
                                                   "flexevict/core/kernels/build.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
-    if not torch.version.cuda or build.find_nvcc() is None:
+    if build.find_nvcc() is None:
         return {}
     return {"ext_modules": [Extension("flexevict._C", sources=[])],
             "cmdclass": {"build_ext": build.setup_command()}}

@@ -31,16 +31,26 @@ def as_flag(name: str) -> str:
     return FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
+def for_cli(text: str) -> str:
+    """A message as a command-line user reads it: its settings as their flags."""
+    return _SETTING.sub(lambda m: as_flag(m.group(1)), text)
+
+
 class UserError(Exception):
     """A problem with the user's input or environment, with the fix in the message (settings
     named by `setting`)."""
 
+    @property
+    def message(self) -> str:
+        """The message with its settings unrendered: to put inside another message, which
+        renders them for its own reader."""
+        return super().__str__()
+
     def __str__(self) -> str:
-        return _SETTING.sub(lambda m: m.group(1), super().__str__())
+        return _SETTING.sub(lambda m: m.group(1), self.message)
 
     def for_cli(self) -> str:
-        """The message as a command-line user reads it: settings as their flags."""
-        return _SETTING.sub(lambda m: as_flag(m.group(1)), super().__str__())
+        return for_cli(self.message)
 
 
 class Terminated(BaseException):

@@ -115,8 +115,8 @@ def run(args) -> dict:
         plan.check(device, limit,
                    None if args.cpu_mem_limit is None else int(args.cpu_mem_limit * GIB))
     except DoesNotFit as e:
-        raise UserError(e.args[0] + predicted_there(args, config, e.fits, n, device, dtype)
-                        ) from None          # args[0]: its settings left for this error to render
+        raise UserError(e.message + predicted_there(args, config, e.fits, n, device, dtype)
+                        ) from None
     predicted = predict(args, config, placement, n, device, dtype)
     confirm_long_run(predicted, steps, args.yes)
     build_s = load_kernels(device)

@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from flexevict.errors import UserError, setting
+from flexevict.errors import UserError, for_cli, setting
 
 
 class RowError(Exception):
@@ -37,7 +37,7 @@ class RowError(Exception):
     def as_record(self) -> dict:
         """The row's line in the errors file (of `generate --input --on-error skip`: settings
         named as flags)."""
-        return {"id": self.id, "line": self.line, "error": UserError(self.reason).for_cli()}
+        return {"id": self.id, "line": self.line, "error": for_cli(self.reason)}
 
 
 @dataclass
@@ -147,7 +147,7 @@ class Prompter:
             try:       # e.g. --budget 0.1 of a short prompt is below the policy's minimum
                 self.policy.slots_for(len(ids), self.max_new)
             except UserError as e:
-                raise RowError(row.line, row.id, e.args[0]) from None   # settings unrendered
+                raise RowError(row.line, row.id, e.message) from None
         return ids
 
 
