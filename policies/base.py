@@ -15,6 +15,13 @@ offloading moves it. Per-layer constants (e.g. a projection) come from `buf.cons
 For a policy with `accumulates_attention`, the model adds each step's attention to `buf.score`
 (fused into its attention kernel) and calls `after_attention(..., scored=True)`.
 
+A decode step, per layer: the new token is written (to a free slot, or the scratch slot),
+`before_attention`, attention, then `after_attention`: `observe` (what the policy learns from
+this step's attention, per layer) and `commit` (where the token goes: the eviction decision).
+A policy that `stacks` commits row by row with no per-layer constant or host-held state, so
+a cache that holds every layer's rows in one buffer (`kv.LayerRows`) commits once per token
+step for all layers (the engine does, after the step's last layer).
+
 Arguments and run sizes: a policy is a frozen dataclass whose fields are its arguments; the run's
 sizes are a frozen `kv.Layout` from `Policy.layout(P, G)`, carried by every buffer of the run.
 """
@@ -55,6 +62,9 @@ class Policy:
     accumulates_attention = False   # buf.score[:n] += each step's attention, summed over the
                                     # query heads of a kv head (H2O); the model then fuses the
                                     # sum into its attention kernel (see `after_attention`)
+    stacks = False                  # `commit` is row-wise with no per-layer constant or
+                                    # host-held state: it may run once per step on a buffer
+                                    # holding every layer's rows (kv.LayerRows)
     graph_safe = False              # its decode hooks may be replayed as a CUDA graph: they
                                     # change buffer tensors in place only, keep other state in
                                     # the buffer's scalar attributes, never sync with the host
@@ -174,10 +184,23 @@ class Policy:
 
     def after_attention(self, buf: KVBuffer, slot: int, probs: torch.Tensor,
                         scored: bool = False) -> None:
-        """Commit the decoded token written in `slot`; probs: (rows, group, attended) fp32, the
+        """The hook after decode attention: `observe` it, then `commit` the token in `slot`,
+        unless `buf` is one layer of a stacked cache, whose stack commits once per step."""
+        self.observe(buf, slot, probs, scored)
+        if buf.stack is None:
+            self.commit(buf, slot)
+
+    def observe(self, buf: KVBuffer, slot: int, probs: torch.Tensor, scored: bool = False
+                ) -> None:
+        """Take in this step's attention, per layer. probs: (rows, group, attended) fp32, the
         attention just used by each query head of a kv head. scored: the caller has already
         added probs to buf.score (the model does, fused, for `accumulates_attention`); a
-        caller that only hands probs over leaves it False and the policy adds them."""
+        caller that only hands probs over leaves it False and the policy adds them.
+        Default: nothing."""
+
+    def commit(self, buf: KVBuffer, slot: int) -> None:
+        """Commit the decoded token written in `slot` (the eviction decision). For a policy
+        that `stacks`, `buf` may hold every layer's rows. Default: it stays where it is."""
         buf.commit_appended(slot)
 
 
@@ -188,9 +211,12 @@ class RingPolicy(Policy):
     Prefill keeps the last `ring` prompt tokens and the `prefix` best others by
     `prefix_rank` (e.g. H2O's column sums, or earliest-first for sinks). Each full decode step
     commits the new token into the ring; the token leaving the ring competes with the prefix
-    (`victim_candidates`), and the loser's slot is reused in place (`commit`: one fused
-    selection + commit, `flexevict.core.kernels.evict_commit`).
+    (`victim_candidates`), and the loser's slot is reused in place (`commit_scratch`: one
+    fused selection + commit, `flexevict.core.kernels.evict_commit`). Row-wise throughout, so
+    it `stacks` unless a subclass keeps host-held state.
     """
+    stacks = True
+
     def minimum_slots(self) -> int:
         return max(self.min_slots, self.min_prefix() + 2)   # + one ring slot + scratch
 
@@ -223,18 +249,12 @@ class RingPolicy(Policy):
         rank = self.prefix_rank(buf, scores, k, v, pos, valid)
         kernels.compact_prompt(buf, k, v, pos, valid, scores, rank)
 
-    def after_attention(self, buf, slot, probs, scored=False):
-        self.accumulate(buf, slot, probs, scored)
+    def commit(self, buf, slot):
         if slot != buf.scratch:
             return buf.commit_appended(slot)
-        self.commit(buf)
+        self.commit_scratch(buf)
 
-    def accumulate(self, buf: KVBuffer, slot: int, probs: torch.Tensor, scored: bool = False
-                   ) -> None:
-        """Update per-slot scores from this step's attention (scored: see `after_attention`).
-        Default: nothing."""
-
-    def commit(self, buf: KVBuffer) -> torch.Tensor:
+    def commit_scratch(self, buf: KVBuffer) -> torch.Tensor:
         """Choose each row's victim and commit the scratch token into the ring (one fused op on
         a GPU); -> victims (rows,)."""
         end, cursor, value = self.victim_candidates(buf)

@@ -233,13 +233,16 @@ class Buzz(Policy):
         # device (these host reads, like the loop's, happen once per prefill)
         buf.policy_state["counts"] = _distinct(zip(live.sum(0).tolist(), old.sum(0).tolist()))
 
-    def after_attention(self, buf: KVBuffer, slot: int, probs: torch.Tensor,
-                        scored: bool = False) -> None:
+    def observe(self, buf: KVBuffer, slot: int, probs: torch.Tensor, scored: bool = False
+                ) -> None:
+        if buf.layout.evicts:
+            add_attention(buf, probs, scored)
+
+    def commit(self, buf: KVBuffer, slot: int) -> None:
         lay = buf.layout
         if not lay.evicts:
             return buf.commit_appended(slot)
-        n = probs.shape[-1]
-        add_attention(buf, probs, scored)
+        n = buf.attended(slot)
         if slot != buf.scratch:
             buf.commit_appended(slot)
         # every row holds the new token

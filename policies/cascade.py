@@ -85,6 +85,7 @@ class Cascade(Policy):
     # memo: the prompt insertion is the same in every layer (not an argument, not state)
     _schedules: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     name = "cascade"
+    stacks = True
     needs_prompt_scores = True
     rope_in_cache = True
 
@@ -283,11 +284,24 @@ class Cascade(Policy):
         buf.state[:min(self.sinks, cap)] = 0.0
 
     def after_attention(self, buf, slot, probs, scored=False):
-        lay = buf.layout
-        if not lay.evicts or slot != buf.scratch:
+        # `observe` and `commit` in one launch on a GPU, unless a stack commits (kv.LayerRows)
+        if buf.stack is None and self.inserts(buf, slot):
+            return kernels.cascade_update(buf, self.subcaches(buf), probs, self.rule(buf.layout))
+        super().after_attention(buf, slot, probs, scored)
+
+    def inserts(self, buf, slot) -> bool:
+        """The decoded token (in `slot`) goes through Algorithm 1: the buffer is full (until
+        then every token is appended and nothing is scored)."""
+        return buf.layout.evicts and slot == buf.scratch
+
+    def observe(self, buf, slot, probs, scored=False):
+        if self.inserts(buf, slot):     # EMA of every non-sink slot, the new token included
+            kernels.cascade_ema(buf, probs, self.rule(buf.layout))
+
+    def commit(self, buf, slot):
+        if not self.inserts(buf, slot):
             return buf.commit_appended(slot)
-        # EMA of every non-sink slot (new token included), then Algorithm 1: one launch on a GPU
-        kernels.cascade_update(buf, self.subcaches(buf), probs, self.rule(lay))
+        kernels.cascade_update(buf, self.subcaches(buf), None, self.rule(buf.layout))
 
     def rule(self, layout: CascadeLayout) -> CascadeRule:
         """The decode step's arguments, resolved for a run of `layout`."""

@@ -51,7 +51,7 @@ class H2O(RingPolicy):
     def prefix_rank(self, buf, scores, k, v, pos, valid):
         return scores
 
-    def accumulate(self, buf, slot, probs, scored=False):
+    def observe(self, buf, slot, probs, scored=False):
         add_attention(buf, probs, scored)
 
     def victim_candidates(self, buf):

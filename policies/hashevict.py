@@ -269,7 +269,7 @@ class HashEvict(RingPolicy):
         codes = None if self.in_state else buf.policy_state["hash"]
         buf.policy_state["victims"].copy_(kernels.hash_victims(buf, hq, self.sinks, codes))
 
-    def after_attention(self, buf, slot, probs, scored=False):
+    def commit(self, buf, slot):
         if slot != buf.scratch:
             return buf.commit_appended(slot)
         victims = buf.policy_state["victims"]

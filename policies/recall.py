@@ -243,7 +243,7 @@ class Recall(Policy):
         buf.pos[region] = index
         buf.valid[region] = (index >= lay.sinks) & (index < (at - lay.ring).unsqueeze(0))
 
-    def after_attention(self, buf, slot, probs, scored=False):
+    def commit(self, buf, slot):
         """The new token joins the window; the one it replaces stays in the history. The
         recalled pages are dropped: they are never stored back (a cache home keeps the
         region empty), the next step recalls its own."""

@@ -53,6 +53,7 @@ class Scissorhands(RingPolicy):
     window: int = 400
     score: str = "count"
     name = "scissorhands"
+    stacks = False                  # its step counter is host-held state (`fields`)
     needs_prompt_scores = True
 
     def __post_init__(self):
@@ -176,19 +177,18 @@ class Scissorhands(RingPolicy):
             hist[steps, :cap] = share.unsqueeze(0).expand(len(steps), -1, -1)
 
     # ------------------------------------------------------------------ decode
-    def after_attention(self, buf, slot, probs, scored=False):
-        if not buf.layout.evicts:
-            return buf.commit_appended(slot)
-        self.accumulate(buf, slot, probs)
-        if slot != buf.scratch:
+    def commit(self, buf, slot):
+        if not buf.layout.evicts or slot != buf.scratch:
             return buf.commit_appended(slot)
         cursor = buf.cursor                        # the commit advances it
-        victims = self.commit(buf)
+        victims = self.commit_scratch(buf)
         hist, rows = buf.policy_state["hist"], buf.rows_index
         hist[:, victims, rows] = hist[:, cursor, rows]               # as ring_commit moved them
         hist[:, cursor] = hist[:, buf.scratch]
 
-    def accumulate(self, buf, slot, probs, scored=False):
+    def observe(self, buf, slot, probs, scored=False):
+        if not buf.layout.evicts:
+            return
         n = probs.shape[-1]
         hist, w, t = buf.policy_state["hist"], self.window, buf.policy_state["step"]
         buf.policy_state["step"] = t + 1

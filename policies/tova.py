@@ -40,6 +40,7 @@ class TOVA(Policy):
     heads: str = "kv"
     name = "tova"
     graph_safe = True
+    stacks = True
     min_slots = 2                     # one cached token + the token being decoded
     needs_prompt_scores = True
 
@@ -90,12 +91,12 @@ class TOVA(Policy):
         keep = by_age.gather(0, by_rank[:buf.capacity]).sort(dim=0).values
         buf.store_prompt(k, v, pos, valid, scores, keep=keep)   # pads picked stay invalid
 
-    def after_attention(self, buf, slot, probs, scored=False):
-        if not buf.layout.evicts:
-            return buf.commit_appended(slot)
-        n = probs.shape[-1]
-        buf.score[:n] = self.group(buf, kv_head_probs(probs))
-        if slot != buf.scratch:
+    def observe(self, buf, slot, probs, scored=False):
+        if buf.layout.evicts:
+            buf.score[:probs.shape[-1]] = self.group(buf, kv_head_probs(probs))
+
+    def commit(self, buf, slot):
+        if not buf.layout.evicts or slot != buf.scratch:
             return buf.commit_appended(slot)
         # candidates: every committed slot and the scratch slot (a scratch victim drops it)
-        kernels.evict_commit(buf, n, cursor=False, commit="replace")
+        kernels.evict_commit(buf, buf.attended(slot), cursor=False, commit="replace")

@@ -142,9 +142,9 @@ class ValueAware:
         super().prefill(buf, k, v, pos, valid, scores)
         self.keep_weight(buf, slice(0, buf.capacity))
 
-    def after_attention(self, buf, slot, probs, scored=False):
+    def commit(self, buf, slot):
         self.keep_weight(buf, slot)                     # the new token's, before it commits
-        super().after_attention(buf, slot, probs, scored)
+        super().commit(buf, slot)
 
     def prefix_rank(self, buf, scores, k, v, pos, valid):
         return self.value_aware(buf.layout, super().prefix_rank(buf, scores, k, v, pos, valid),

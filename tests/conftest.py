@@ -151,3 +151,12 @@ def engine_smollm2(smollm2_path):
 def engine_smollm2_tokenizer(smollm2_path):
     from flexevict.io.tokenizer import load_tokenizer
     return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture
+def per_layer_commits(monkeypatch):
+    """Every layer commits in its own `after_attention` (no stacked cache, kv.LayerRows): for
+    tests that check a layer's buffer right after its commit. That stacking changes nothing is
+    tested apart (test_engine.py)."""
+    from flexevict.runtime.engine import Engine
+    monkeypatch.setattr(Engine, "stack_layers", False)

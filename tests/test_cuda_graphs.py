@@ -125,8 +125,8 @@ def test_a_policy_that_reassigns_buffer_state_is_refused(rerun):
         def fields(self, layout):
             return (Field("seen", ("rows",), torch.float32),)
 
-        def accumulate(self, buf, slot, probs, scored=False):
-            super().accumulate(buf, slot, probs, scored)
+        def observe(self, buf, slot, probs, scored=False):
+            super().observe(buf, slot, probs, scored)
             buf.policy_state["seen"] = buf.policy_state["seen"] + 1    # a new tensor
     with pytest.raises(RuntimeError, match="not graph_safe"):
         generate(_engine("opt", graphs=True), rand_prompts([30], seed=1), 10,

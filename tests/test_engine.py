@@ -236,3 +236,46 @@ def test_eviction_time_counts_prefill_and_decode_apart(monkeypatch):
     for policy in (get_policy("full"), get_policy("h2o", budget_tokens=40)):   # keeps all
         stats = e.run(prompts, 6, policy, greedy).stats
         assert stats.prefill_eviction_seconds == 0 and stats.eviction_seconds == 0
+
+
+STACKING = sorted(n for n, cls in POLICIES.items() if cls.stacks)
+
+
+def _run_keeping_buffers(e: Engine, prompts, steps, name):
+    runs, real = [], e._run
+    e._run = lambda run, *a: runs.append(run) or real(run, *a)
+    tokens = e.run(prompts, steps, policy(name), greedy).tokens
+    return tokens, runs[0].cache
+
+
+@pytest.mark.parametrize("name", STACKING)
+def test_stacked_layers_commit_once_per_step_and_change_nothing(name, monkeypatch):
+    """A policy that `stacks` keeps a resident cache as one buffer of every layer's rows and
+    commits once per decode step on it: tokens and every layer's buffer (K, V, positions,
+    validity, scores, state, declared state) equal those of one commit per layer."""
+    assert {"h2o", "tova", "vatp", "hashevict"} <= set(STACKING)
+    prompts, steps = rand_prompts([40, 27, 33], seed=7), 20
+    e = engine("llama-gqa", num_gpu_batches=1)
+    layers = e.config.num_layers
+    commits = []
+    cls = type(policy(name))
+    real_commit = cls.commit
+    monkeypatch.setattr(cls, "commit",
+                        lambda self, buf, slot: commits.append(buf.stack is None and
+                                                               buf.layer is None)
+                        or real_commit(self, buf, slot))
+    stacked, cache = _run_keeping_buffers(e, prompts, steps, name)
+    assert all(b.stack is cache[0][0].stack is not None for b in cache[0])
+    assert len(commits) == steps - 1 and all(commits)       # once per step, on the stack
+    commits.clear()
+    monkeypatch.setattr(Engine, "stack_layers", False)
+    alone, per_layer = _run_keeping_buffers(e, prompts, steps, name)
+    fused = name == "cascade"       # its per-layer commit is fused into after_attention
+    assert len(commits) == (0 if fused else (steps - 1) * layers) and not any(commits)
+    assert torch.equal(stacked, alone)
+    for a, b in zip(cache[0], per_layer[0]):
+        assert b.stack is None and (a.used, a.cursor) == (b.used, b.cursor)
+        for x, y in zip(a.tensors(), b.tensors()):
+            assert torch.equal(x, y)
+        for f in a.fields:
+            assert torch.equal(a.policy_state[f.name], b.policy_state[f.name])

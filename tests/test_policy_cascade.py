@@ -424,6 +424,7 @@ def traced(monkeypatch, model, prompts, n_new, policy, check=None):
         if check:
             check(buf)
     monkeypatch.setattr(type(policy), "after_attention", after)   # policies are frozen
+    monkeypatch.setattr(E.Engine, "stack_layers", False)          # each layer checked as it commits
     real_head = model.head
     monkeypatch.setattr(model, "head",
                         lambda h, o=None: logits.append(real_head(h, o)) or logits[-1])

@@ -50,7 +50,7 @@ def test_whole_sequence_budget_is_bit_identical_to_full(name, arch, monkeypatch)
 
 @pytest.mark.parametrize("arch", CONFIGS)
 @pytest.mark.parametrize("name", EVICTING)
-def test_random_trace_invariants(name, arch, monkeypatch):
+def test_random_trace_invariants(name, arch, monkeypatch, per_layer_commits):
     m = model_for(arch)
     ps = rand_prompts([60, 45, 52], seed=3)                     # left padding included
     policy = get_policy(name, budget=0.3)

@@ -241,6 +241,7 @@ def run_policy(model, prompts, n, policy, monkeypatch=None, check=None, layouts=
                 real_after(self, buf, slot, probs, scored)
                 check(buf, self, slot)
             m.setattr(type(policy), "after_attention", after)
+            m.setattr(E.Engine, "stack_layers", False)     # each layer checked as it commits
         if layouts is not None:
             real_alloc = E.allocate
             m.setattr(E, "allocate", lambda model, layout, *a:

@@ -110,6 +110,8 @@ class Memory:
 
 
 class KVBuffer:
+    stack: "KVBuffer | None" = None    # LayerRows: the buffer holding every layer's rows
+
     def __init__(self, layout: Layout, rows: int, head_dim: int, dtype, where: Memory | str,
                  kv_heads: int = 1, layer: int = 0, fields: tuple[Field, ...] = ()):
         """layout: the run's regions (`capacity` = layout.slots - 1 committed slots + scratch);
@@ -139,6 +141,13 @@ class KVBuffer:
         sizes = {"slots": n, "rows": rows, "d": head_dim}
         self.policy_state = {f.name: f.allocate(sizes, device, alloc, dtype) for f in fields}
         self.constants: dict = {}   # (name, device) -> a per-layer constant (`constant`)
+
+    def layers(self, count: int) -> list["LayerRows"]:
+        """This buffer's rows as `count` equal consecutive blocks, one per layer: views that
+        share this buffer's counters (`LayerRows`). A stack is made with `layer` None: it
+        has no per-layer constants."""
+        rows = self.valid.shape[1] // count
+        return [LayerRows(self, j, j * rows, (j + 1) * rows) for j in range(count)]
 
     def constant(self, name: str, make):
         """A policy constant for this layer on this buffer's device: make(device) once per
@@ -263,6 +272,34 @@ class KVBuffer:
         """The ring's next oldest slot, wrapping from the last committed slot to ring_start
         (ring_commit here, and the commit kernels after theirs)."""
         self.cursor = self.cursor + 1 if self.cursor + 1 < self.capacity else self.ring_start
+
+
+def _shared(name: str) -> property:
+    """A counter of `LayerRows` that lives on its stack."""
+    return property(lambda self: getattr(self.stack, name),
+                    lambda self, value: setattr(self.stack, name, value))
+
+
+class LayerRows(KVBuffer):
+    """Layer `layer`'s rows [start, stop) of `stack`, a buffer holding every layer's rows
+    (`KVBuffer.layers`). Its tensors and declared state are views of the stack's; its
+    counters (`used`, `ring_start`, `cursor`) are the stack's, since every layer is at the
+    same point of a token step: per-layer work (writing the new token, attention, a policy's
+    `before_attention` and `observe`) reads them, and only a prefill (every layer setting the
+    same values) or the stack's commit, once per step, moves them."""
+    used, ring_start, cursor = _shared("used"), _shared("ring_start"), _shared("cursor")
+
+    def __init__(self, stack: KVBuffer, layer: int, start: int, stop: int):
+        if any(not isinstance(v, torch.Tensor) for v in stack.policy_state.values()):
+            raise ValueError("a policy with host-held state cannot stack its layers")
+        self.stack, self.layout, self.layer = stack, stack.layout, layer
+        self.kv_heads, self.head_dim, self.dtype = stack.kv_heads, stack.head_dim, stack.dtype
+        for name in ("k", "v", "score", "state", "pos", "valid"):
+            setattr(self, name, getattr(stack, name)[:, start:stop])
+        self.rows_index = torch.arange(stop - start, device=self.valid.device)
+        self.dirty, self.fields, self.constants = None, stack.fields, {}
+        self.policy_state = {f.name: stack.policy_state[f.name].narrow(
+            f.shape.index("rows"), start, stop - start) for f in stack.fields}
 
 
 def left_aligned(valid: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Callable, Protocol
 import torch
 
 from flexevict.io.weights import MetaWeights
+from flexevict.core.kernels import ext
 from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
 from flexevict.errors import UserError, setting
 from flexevict.core.kv import KVBuffer, Layout, Memory
@@ -142,6 +143,9 @@ class Engine:
     # batch 24: 31-34 ms to capture, 13.0 ms to replay, 17.0 ms eager), so a graph pays back
     # after about four replays
     GRAPH_REPLAYS = 5
+    # A cache that stays where attention runs holds every layer's rows in one buffer when the
+    # policy `stacks`, and commits once per step (kv.LayerRows); tests turn it off to compare
+    stack_layers = True
 
     def __init__(self, model: Transformer, placement: Placement, homes: list[dict], tiers: Tiers):
         self.model, self.placement, self.homes, self.tiers = model, placement, homes, tiers
@@ -256,7 +260,7 @@ class Engine:
         limit = self.config.max_positions if wrap_positions else None
         with self.tiers.run_scope():          # the next run reuses this run's pinned KV homes
             cache_tiers = self.placement.cache_tiers(len(sizes))
-            run = Run(self._allocate_cache(layout, sizes, cache_tiers, policy.fields(layout)),
+            run = Run(self._allocate_cache(layout, sizes, cache_tiers, policy),
                       cache_tiers, policy, EvictionClock(self.tiers.compute, layout.evicts))
             if self._graphable(run, layout, steps):
                 run.graphs = self.Graphs(self.tiers.compute)
@@ -303,24 +307,35 @@ class Engine:
     def _step_input(self, pos, valid, limit: int | None):
         return self.model.step_input(pos if limit is None else pos % limit, valid)
 
-    def _allocate_cache(self, layout: Layout, sizes: list[int], tiers: list[str], fields=()
-                        ) -> list[list[KVBuffer]]:
+    def _allocate_cache(self, layout: Layout, sizes: list[int], tiers: list[str],
+                        policy: Policy) -> list[list[KVBuffer]]:
         """cache[k][j]: GPU batch k's buffer of block j, in its home tier tiers[k], with the
-        policy's declared state `fields`."""
-        cache = []
+        policy's declared state; the layers of a batch whose cache stays where attention runs
+        share one stacked buffer when the policy `stacks` (`_commit_stacks`)."""
+        cache, fields = [], policy.fields(layout)
         for tier, size in zip(tiers, sizes):
             alloc = self.tiers.alloc(tier)
             # compressed: K and V start in ordinary memory, only their 4-bit parts go to the
             # tier (allocated there, they would hold tier memory until the run ends)
             kv_alloc = _in_ram if self.placement.compress_cache else alloc
             memory = Memory(self.model.device, alloc, kv_alloc)
-            bufs = allocate(self.model, layout, size, memory, fields)
+            stacked = self._stacks(policy, layout, tier)
+            bufs = allocate(self.model, layout, size, memory, fields, stacked)
             if self.placement.compress_cache:
                 put = lambda x, tier=tier: self.tiers.put(tier, x)   # noqa: E731
                 for b in bufs:
                     b.k, b.v = compressed(b.k, put), compressed(b.v, put)
             cache.append(bufs)
         return cache
+
+    def _stacks(self, policy: Policy, layout: Layout, tier: str) -> bool:
+        """A batch's layers share one stacked buffer (kv.LayerRows) when the policy `stacks`
+        and evicts, and its cache in `tier` stays where attention runs, uncompressed, on a
+        device whose hot path is the PyTorch reference: the extension's kernels index
+        contiguous buffers, and a layer's rows of a stack are a strided view."""
+        return (self.stack_layers and policy.stacks and layout.evicts
+                and not self.placement.compress_cache and self._work_tier(tier) == tier
+                and ext.backend(self.tiers.device(tier)) == ext.REFERENCE)
 
     def _work_tier(self, tier: str) -> str:
         """Attention (and eviction) for a cache in `tier` runs in this tier's memory."""
@@ -352,10 +367,22 @@ class Engine:
                 if not overlap:
                     stored.wait()
             hidden[k] = self._park_hidden(h)
+        if i > 0:
+            self._commit_stacks(run)
         stores, run.step_stores = run.step_stores, []
         for t in stores:                  # all of them: a ticket replaced in a pool slot too
             t.wait()
         return out
+
+    def _commit_stacks(self, run: Run) -> None:
+        """The decode step's commit of every stacked cache, once for all of its layers (their
+        `after_attention` only observed): the same row-wise ops as a per-layer commit, on
+        num_layers times the rows, so a step pays their per-op overhead once, not per layer."""
+        for batch in run.cache:
+            stack = batch[0].stack
+            if stack is not None:
+                with run.clock:
+                    run.policy.commit(stack, stack.incoming_slot())
 
     # ------------------------------------------------------------------ CUDA graphs
     def _graphable(self, run: Run, layout: Layout, steps: int) -> bool:
@@ -381,7 +408,7 @@ class Engine:
             hidden = []
             self._step(quiet, i, x[0], x[1], lambda i, k, h, head: hidden.append(h))
             return hidden
-        bufs = [b for batch in run.cache for b in batch]
+        bufs = _with_stacks(run.cache)
         try:
             hidden = run.graphs.step(bufs, (feed, inputs), body)
         except CaptureFailed as e:
@@ -551,13 +578,18 @@ def check_length(config, prompt_len: int, new_tokens: int):
 
 
 def allocate(model: Transformer, layout: Layout, batch: int, memory: Memory | None = None,
-             fields=()) -> list[KVBuffer]:
+             fields=(), stacked: bool = False) -> list[KVBuffer]:
     """One KV buffer per layer of `layout` for `batch` sequences with the policy's declared
-    state `fields`, in `memory` (default: zeros on the model's device; kv.Memory)."""
+    state `fields`, in `memory` (default: zeros on the model's device; kv.Memory); stacked:
+    every layer's rows in one buffer, each layer's a view (`KVBuffer.layers`)."""
     c = model.config
-    return [KVBuffer(layout, batch * c.num_kv_heads, c.dim_head, model.dtype,
-                     memory or model.device, kv_heads=c.num_kv_heads, layer=j, fields=fields)
-            for j in range(c.num_layers)]
+    rows, where = batch * c.num_kv_heads, memory or model.device
+    if stacked:
+        stack = KVBuffer(layout, c.num_layers * rows, c.dim_head, model.dtype, where,
+                         kv_heads=c.num_kv_heads, layer=None, fields=fields)
+        return stack.layers(c.num_layers)
+    return [KVBuffer(layout, rows, c.dim_head, model.dtype, where, kv_heads=c.num_kv_heads,
+                     layer=j, fields=fields) for j in range(c.num_layers)]
 
 
 def _place(tiers: Tiers, tier: str, name: str, t: torch.Tensor, pack: bool, placement) -> Home:
@@ -635,6 +667,13 @@ def _nbytes(x) -> int:
     if isinstance(x, PackedWeight):
         return 0
     return getattr(x, "nbytes", 0)
+
+
+def _with_stacks(cache) -> list[KVBuffer]:
+    """Every buffer of a run and, once each, the stacks that hold stacked layers' counters:
+    the buffers whose host state a decode-step graph is keyed by."""
+    bufs = [b for batch in cache for b in batch]
+    return bufs + list({id(b.stack): b.stack for b in bufs if b.stack is not None}.values())
 
 
 def _all_full(cache) -> bool:

@@ -352,24 +352,40 @@ def buzz_pass(buf, n: int, k: int, w: int, T: int, s: int, used: int | None = No
     buf.touch_all()
 
 
-def cascade_update(buf, sub: SubCaches, probs, rule: CascadeRule) -> None:
-    """Cascade's decode step for every row: the attention EMA of slots [sinks, n) in
-    `buf.state` (probs (R, g, n) fp32, reduced over each sequence's kv heads by `rule.reduce`),
-    then the scratch token's insertion into the sub-caches `sub` (Algorithm 1)."""
-    op = "cascade_update"
+def cascade_ema(buf, probs, rule: CascadeRule) -> None:
+    """Cascade's attention EMA alone, of slots [sinks, n) in `buf.state` (probs (R, g, n)
+    fp32, reduced over each sequence's kv heads by `rule.reduce`): torch ops on every device,
+    for a stacked cache whose insertion runs once per step (`cascade_update` with probs None)."""
+    _check_cascade("cascade_ema", buf, probs, rule)
+    reference.cascade_ema(buf, probs, rule)
+
+
+def _check_cascade(op: str, buf, probs, rule: CascadeRule) -> None:
     if rule.reduce not in REDUCTIONS:
         _fail(op, f"reduce must be one of {', '.join(REDUCTIONS)} (got {rule.reduce!r})")
-    rows = buf.score.shape[1]
-    _expect(op, "probs", probs, (rows, None, None), torch.float32, buf.score.device)
+    if probs is None:
+        return
+    _expect(op, "probs", probs, (buf.score.shape[1], None, None), torch.float32,
+            buf.score.device)
     if probs.shape[-1] > buf.capacity + 1:
         _fail(op, f"probs cover {probs.shape[-1]} slots, more than the buffer's "
                   f"{buf.capacity + 1}")
+
+
+def cascade_update(buf, sub: SubCaches, probs, rule: CascadeRule) -> None:
+    """Cascade's decode step for every row: the attention EMA of slots [sinks, n) in
+    `buf.state` (probs (R, g, n) fp32, reduced over each sequence's kv heads by `rule.reduce`;
+    None: already taken, `cascade_ema`), then the scratch token's insertion into the
+    sub-caches `sub` (Algorithm 1)."""
+    _check_cascade("cascade_update", buf, probs, rule)
     kv = buf.kv_heads
     levels = sub.size.numel()
     module = _buffer_module(buf)
     if module is None or not ext.within(module, cascade_max_levels=levels,
                                         cascade_max_kv_heads=kv):
         return reference.cascade_update(buf, sub, probs, rule)
+    if probs is None:          # no slot past the sinks to score: the kernel only inserts
+        probs = buf.score.new_zeros(buf.score.shape[1], 1, 0)
     moved_to = module.cascade_update(buf, probs.contiguous(), sub.start, sub.count,
                                      sub.size.view(-1), rule, ext.stream(buf.k))
     buf.mark(moved_to)

@@ -494,13 +494,20 @@ def cascade_plan(buf: KVBuffer, sub: SubCaches, mu, t, rule: CascadeRule):
     return torch.cat([scratch, src]), torch.cat([sink_dst, dst])
 
 
-def cascade_update(buf: KVBuffer, sub: SubCaches, probs, rule: CascadeRule) -> None:
-    """Cascade's full decode step: every non-sink slot's EMA mu <- gamma mu + (1 - gamma) s of
-    this step's attention s (probs (R, g, n), summed over the group, reduced over a sequence's
-    kv heads), kept in `buf.state`; then the scratch token's insertion (`cascade_plan`)."""
+def cascade_ema(buf: KVBuffer, probs, rule: CascadeRule) -> None:
+    """Every non-sink slot's EMA mu <- gamma mu + (1 - gamma) s of this step's attention s
+    (probs (R, g, n), summed over the group, reduced over a sequence's kv heads), kept in
+    `buf.state`."""
     S, n, gamma = rule.sinks, probs.shape[-1], rule.gamma
     s = reduce_heads(kv_head_probs(probs), buf.kv_heads, rule.reduce)     # (n, R)
     buf.state[S:n].mul_(gamma).add_(s[S:], alpha=1.0 - gamma)
+
+
+def cascade_update(buf: KVBuffer, sub: SubCaches, probs, rule: CascadeRule) -> None:
+    """Cascade's full decode step: the EMA (`cascade_ema`; probs None: already taken), then
+    the scratch token's insertion (`cascade_plan`)."""
+    if probs is not None:
+        cascade_ema(buf, probs, rule)
     src, dst = cascade_plan(buf, sub, buf.state, buf.pos[buf.scratch].to(torch.int64), rule)
     buf.move(src, dst)
     buf.valid[buf.scratch] = False
