@@ -267,7 +267,8 @@ class HashEvict(RingPolicy):
             return
         # empty first, else the farthest; ties: the oldest; valid sinks stay (one launch)
         codes = None if self.in_state else buf.policy_state["hash"]
-        buf.policy_state["victims"].copy_(kernels.hash_victims(buf, hq, self.sinks, codes))
+        bits = min(self.hash_bits, WORD_BITS)
+        buf.policy_state["victims"].copy_(kernels.hash_victims(buf, hq, self.sinks, codes, bits))
 
     def commit(self, buf, slot):
         if slot != buf.scratch:

@@ -117,6 +117,9 @@ def test_pack_and_popcount_against_python():
     x = torch.randint(0, 2 ** 32, (1000,), generator=g, dtype=torch.int64)
     assert popcount(x).tolist() == [bin(v).count("1") for v in x.tolist()]
     assert popcount(torch.tensor([0, 2 ** 32 - 1])).tolist() == [0, 32]
+    short = (x & 0xFFFF).to(torch.int32)             # codes of <= 16 bits: one table lookup
+    assert popcount(short, 16).tolist() == [bin(v).count("1") for v in short.tolist()]
+    assert popcount(torch.tensor([2 ** 16 - 1]), 16).tolist() == [16]
     # 70 bits -> 3 words of 32; the packed words reproduce the sign bits
     proj = projection(70, 16, seed=3)
     v = torch.randn(5, 16, generator=g)

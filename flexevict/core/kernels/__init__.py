@@ -233,12 +233,13 @@ def hash_codes(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     return codes.view(*x.shape[:-1], words)
 
 
-def hash_victims(buf, query_codes, protect: int, codes=None):
+def hash_victims(buf, query_codes, protect: int, codes=None, bits: int = WORD_BITS):
     """HashEvict before attention: per row, among the prefix slots [0, ring_start) and the ring's
     oldest token, the key whose code is farthest (Hamming distance summed over the query heads)
     from query_codes (R, g, words); empty slots first, ties -> the oldest; the first `protect`
     candidates are kept while valid. Key codes: `codes` (slots, R, words) int64, or one word
-    stored in `buf.state`. The victims are masked out of this step's attention. -> (R,) int64."""
+    stored in `buf.state`; bits: a single word's code width (the reference's popcount needs one
+    table lookup for <= 16). The victims are masked out of this step's attention. -> (R,) int64."""
     op = "hash_victims"
     rows = buf.score.shape[1]
     _expect(op, "query_codes", query_codes, (rows, None, None), torch.int64, buf.score.device)
@@ -249,7 +250,7 @@ def hash_victims(buf, query_codes, protect: int, codes=None):
                 torch.int64, buf.score.device)
     module = _buffer_module(buf)
     if module is None:
-        return reference.hash_victims(buf, query_codes, protect, codes)
+        return reference.hash_victims(buf, query_codes, protect, codes, bits)
     return module.hash_select(buf, buf.ring_start, buf.cursor, protect, query_codes.contiguous(),
                               None if codes is None else codes.contiguous(), ext.stream(buf.k))
 

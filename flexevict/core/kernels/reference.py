@@ -285,31 +285,39 @@ def _bit_counts(device: str) -> torch.Tensor:
     return table
 
 
-def popcount(x: torch.Tensor) -> torch.Tensor:
-    """Set bits of each non-negative int64 below 2**32 -> uint8 (torch has no popcount): two
-    lookups in a 16-bit table, a third of the ops of the SWAR bit tricks."""
+def popcount(x: torch.Tensor, bits: int = WORD_BITS) -> torch.Tensor:
+    """Set bits of each non-negative integer below 2**bits (bits <= 32) -> uint8 (torch has no
+    popcount): lookups in a 16-bit table, one for bits <= 16, else two (a third of the ops of
+    the SWAR bit tricks). index_select, at half the cost of table[x] on a CPU."""
     table = _bit_counts(str(x.device))
-    return table[x & 0xFFFF] + table[x >> 16]
+
+    def look(i):
+        return table.index_select(0, i.reshape(-1)).view(i.shape)
+    return look(x) if bits <= 16 else look(x & 0xFFFF) + look(x >> 16)
 
 
-def hamming(hq: torch.Tensor, hk: torch.Tensor) -> torch.Tensor:
+def hamming(hq: torch.Tensor, hk: torch.Tensor, bits: int = WORD_BITS) -> torch.Tensor:
     """Distance of every key code to a kv head's query codes, summed over its query heads.
 
-    hq (R, g, words), hk (n, R, words) -> (n, R) int64."""
-    return popcount(hq.unsqueeze(0) ^ hk.unsqueeze(2)).sum(dim=(-1, -2))
+    hq (R, g, words), hk (n, R, words) of `bits`-bit words (<= 32) -> (n, R) int64."""
+    return popcount(hq.unsqueeze(0) ^ hk.unsqueeze(2), bits).sum(dim=(-1, -2))
 
 
 def hash_victims(buf: KVBuffer, query_codes: torch.Tensor, protect: int,
-                 codes: torch.Tensor | None = None) -> torch.Tensor:
+                 codes: torch.Tensor | None = None, bits: int = WORD_BITS) -> torch.Tensor:
     """HashEvict's choice before attention: per row, among the prefix slots and the ring's
     oldest token, the key farthest in Hamming distance from the query codes (R, g, words),
     empty slots first, ties -> oldest; the first `protect` candidates (valid sinks) never go.
-    Key codes are `codes` (slots, R, words), or one word stored in `buf.state`. The victims
-    are masked out of this step's attention. -> victims (R,)."""
+    Key codes are `codes` (slots, R, words), or one word stored in `buf.state`; `bits`: the
+    width of a word's code (32 but for a single shorter word). The victims are masked out of
+    this step's attention. -> victims (R,)."""
     cand = candidate_slots(buf, buf.ring_start, True)
-    keys = (at_slots(buf.state, cand).to(torch.int64).unsqueeze(-1) if codes is None
-            else at_slots(codes, cand))
-    value = -hamming(query_codes, keys).to(torch.float32)           # (c, R)
+    if codes is None:       # one word of <= 24 bits, exact in int32: half the bytes of int64
+        keys = at_slots(buf.state, cand).to(torch.int32).unsqueeze(-1)
+        query_codes = query_codes.to(torch.int32)
+    else:
+        keys = at_slots(codes, cand)
+    value = -hamming(query_codes, keys, bits).to(torch.float32)     # (c, R)
     value[:protect] = float("inf")
     victims = lowest(buf, value, cand)
     # valid[victims[r], r] = False; a scatter, since indexed assignment of a Python scalar
