@@ -469,6 +469,24 @@ def test_model_prefill_equals_eager_attention(arch, name, monkeypatch):
 
 # ------------------------------------------------------------------ in-cache RoPE ranks
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_apply_rope_is_the_rotate_half_formula_bit_for_bit(dtype):
+    """apply_rope works half by half; it must equal x * cos + rotate_half(x) * sin exactly,
+    signed zeros, infinities and NaNs (where they arise) included."""
+    g = torch.Generator().manual_seed(1)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    cos, sin = fmodel.rope_cos_sin(inv_freq, torch.randint(0, 5000, (50, 3), generator=g), dtype)
+    x = torch.randn(50, 3, 64, generator=g).to(dtype)
+    x[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    x[1, 2, 32:36] = torch.tensor([-0.0, float("nan"), 0.0, float("inf")])
+    rotate_half = torch.cat([-x[..., 32:], x[..., :32]], dim=-1)
+    want, got = x * cos + rotate_half * sin, fmodel.apply_rope(x, cos, sin)
+    assert torch.equal(want.isnan(), got.isnan())
+    assert torch.equal(torch.nan_to_num(want), torch.nan_to_num(got))
+    number = ~want.isnan()                          # a NaN's sign means nothing
+    assert torch.equal(torch.signbit(want)[number], torch.signbit(got)[number])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rank_rope_table_equals_rotating_each_rank(dtype):
     """StreamingLLM and Cascade rotate cached keys to their in-cache rank from a table grown by
@@ -479,10 +497,36 @@ def test_rank_rope_table_equals_rotating_each_rank(dtype):
     model = fmodel.Transformer(cfg, [], {}, device="cpu", dtype=dtype)
     inv_freq = model.rope_freq("cpu")
     g = torch.Generator().manual_seed(0)
+    d = cfg.dim_head
     for n in (5, 37, 300):
-        cos, sin = model.rank_rope(n, "cpu", dtype)
-        assert cos.shape[0] >= n and sin.shape == cos.shape
+        table = model.rank_rope(n, "cpu", dtype)
+        assert table.shape[0] >= n and table.shape[1] == 2 * d
         rank = torch.randint(0, n, (n, 6), generator=g)
         want_cos, want_sin = fmodel.rope_cos_sin(inv_freq, rank, dtype)
-        assert torch.equal(cos[rank], want_cos) and torch.equal(sin[rank], want_sin)
-    assert model.rank_rope(300, "cpu", dtype)[0].shape[0] == 512      # kept, not rebuilt
+        assert torch.equal(table[rank, :d], want_cos) and torch.equal(table[rank, d:], want_sin)
+    assert model.rank_rope(300, "cpu", dtype).shape[0] == 512         # kept, not rebuilt
+
+
+def test_keys_rotated_to_their_rank_among_the_valid_slots():
+    """In-cache RoPE: each valid key is rotated by its rank by position among its row's valid
+    slots, the query by the row's count - 1, bit for bit as rope_cos_sin of those ranks."""
+    from tiny import CONFIGS
+    from flexevict.core.kv import KVBuffer, Layout
+    cfg = next(c for c in CONFIGS.values() if c.arch == "llama")
+    model = fmodel.Transformer(cfg, [], {}, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    n, rows, d = 40, 5, cfg.dim_head
+    buf = KVBuffer(Layout(n + 1), rows, d, torch.float32, "cpu")
+    buf.k.copy_(torch.randn(n + 1, rows, d, generator=g))
+    buf.pos[:n] = torch.stack([torch.randperm(500, generator=g)[:n] for _ in range(rows)], 1)
+    buf.valid[:n] = torch.rand(n, rows, generator=g) > 0.3
+    q = torch.randn(rows, cfg.num_heads // cfg.num_kv_heads, d, generator=g)
+    q_rot, keys = model._rotate_in_cache(q, buf, n)
+    inv_freq = model.rope_freq("cpu")
+    for r in range(rows):
+        real = buf.valid[:n, r].nonzero().flatten().tolist()
+        for rank, slot in enumerate(sorted(real, key=lambda s: int(buf.pos[s, r]))):
+            cos, sin = fmodel.rope_cos_sin(inv_freq, torch.tensor([rank]), torch.float32)
+            assert torch.equal(keys[slot, r], fmodel.apply_rope(buf.k[slot, r], cos[0], sin[0]))
+        cos, sin = fmodel.rope_cos_sin(inv_freq, torch.tensor([len(real) - 1]), torch.float32)
+        assert torch.equal(q_rot[r], fmodel.apply_rope(q[r], cos, sin))

@@ -126,10 +126,16 @@ def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (..., d) rotated by rotate-half convention; cos/sin broadcast to x."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """x: (..., d) rotated by the rotate-half convention (dims i and i + d/2 pair up); cos/sin
+    (..., d) broadcast to x, their halves equal (`rope_cos_sin`).
+
+    x * cos + rotate_half(x) * sin, half by half: the same products and sums bit for bit
+    (x1 c + (-x2) s is x1 c - x2 s in IEEE arithmetic) without building rotate_half(x); in
+    fp32 on a CPU it took a seventh of the time (in-cache RoPE rotates every cached key each
+    step)."""
+    h = x.shape[-1] // 2
+    x1, x2, c, s = x[..., :h], x[..., h:], cos[..., :h], sin[..., :h]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 # ------------------------------------------------------------------------------------ pieces
@@ -202,7 +208,7 @@ class Transformer:
         self.config, self.layers, self.outer = config, layers, outer
         self.inv_freq = rope_inv_freq(config) if config.arch == "llama" else None
         self._inv_freq_at = {}         # device -> inv_freq there, copied once
-        self._rank_rope_at = {}        # (device, dtype) -> cos, sin of ranks 0..n-1 (`rank_rope`)
+        self._rank_rope_at = {}        # (device, dtype) -> cos|sin of ranks 0..n-1 (`rank_rope`)
         self._device, self._dtype = device, dtype
 
     @classmethod
@@ -239,17 +245,19 @@ class Transformer:
             self._inv_freq_at[device] = self.inv_freq.to(device)
         return self._inv_freq_at[device]
 
-    def rank_rope(self, n: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (m, d) for the positions 0..m-1, m >= n, grown by doubling. StreamingLLM and
-        Cascade rotate every cached key to its in-cache rank on every step: a lookup in this
-        table is bit-identical to `rope_cos_sin` of the ranks (an elementwise function) and
-        saves recomputing the cosines and sines of the whole cache each step."""
+    def rank_rope(self, n: int, device, dtype) -> torch.Tensor:
+        """cos and sin side by side, (m, 2d), for the positions 0..m-1, m >= n, grown by
+        doubling. StreamingLLM and Cascade rotate every cached key to its in-cache rank on every
+        step: a lookup in this table is bit-identical to `rope_cos_sin` of the ranks (an
+        elementwise function) and saves recomputing the cosines and sines of the whole cache
+        each step; side by side, one gather fetches both."""
         key = (torch.device(device), dtype)
         table = self._rank_rope_at.get(key)
-        if table is None or table[0].shape[0] < n:
+        if table is None or table.shape[0] < n:
             size = 1 << max(n - 1, 1).bit_length()
-            table = rope_cos_sin(self.rope_freq(device), torch.arange(size, device=device), dtype)
-            self._rank_rope_at[key] = table
+            cos, sin = rope_cos_sin(self.rope_freq(device), torch.arange(size, device=device),
+                                    dtype)
+            table = self._rank_rope_at[key] = torch.cat([cos, sin], dim=-1)
         return table
 
     # ------------------------------------------------------------------ embed / head
@@ -404,11 +412,19 @@ class Transformer:
         their rank among the row's valid slots, the query to the last rank. -> q, keys (n, R, d)."""
         valid = buf.valid[:n]
         order_key = torch.where(valid, buf.pos[:n], torch.iinfo(torch.int32).max)
-        rank = order_key.argsort(dim=0, stable=True).argsort(dim=0)          # (n, R)
-        cos, sin = self.rank_rope(n, q.device, q.dtype)                       # (m, d), m >= n
-        keys = apply_rope(buf.k[:n], cos[rank], sin[rank])                    # (n, R, d)
-        q_pos = valid.sum(dim=0) - 1                                          # (R,)
-        return apply_rope(q, cos[q_pos].unsqueeze(1), sin[q_pos].unsqueeze(1)), keys
+        order = order_key.sort(dim=0, stable=True).indices                   # (n, R)
+        rank = torch.empty_like(order).scatter_(0, order, self._ranks(n, order))   # its inverse
+        d = q.shape[-1]
+        table = self.rank_rope(n, q.device, q.dtype)                           # (m, 2d), m >= n
+        both = table.index_select(0, rank.view(-1)).view(*rank.shape, 2 * d)  # one gather
+        keys = apply_rope(buf.k[:n], both[..., :d], both[..., d:])             # (n, R, d)
+        at_q = table[valid.sum(dim=0) - 1].unsqueeze(1)                        # (R, 1, 2d)
+        return apply_rope(q, at_q[..., :d], at_q[..., d:]), keys
+
+    @staticmethod
+    def _ranks(n: int, like: torch.Tensor) -> torch.Tensor:
+        """0..n-1 down the slots of an (n, R) index: what a sort's order is scattered by."""
+        return torch.arange(n, device=like.device).unsqueeze(1).expand_as(like)
 
 
 def causal_attention(q, k, v, pads: torch.Tensor | None, scale: float | None = None):
