@@ -3,8 +3,8 @@
 A policy owns three decisions on a layer's `KVBuffer` and nothing else (no I/O, no device
 choice): how a run's budget divides the buffer (`layout`, a frozen `kv.Layout`), which prompt
 tokens it keeps after prefill (`prefill`), and where each decoded token goes (`before_attention`
-for pre-attention policies, `after_attention` for policies that read the attention probabilities
-just used).
+for pre-attention policies; `observe` to read the attention probabilities just used, per layer,
+and `commit`, row-wise, which may run once per step over every layer's rows: `Policy.stacks`).
 
 May import `flexevict.core` and `flexevict.errors`.
 """
