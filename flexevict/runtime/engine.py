@@ -330,9 +330,10 @@ class Engine:
 
     def _stacks(self, policy: Policy, layout: Layout, tier: str) -> bool:
         """A batch's layers share one stacked buffer (kv.LayerRows) when the policy `stacks`
-        and evicts, and its cache in `tier` stays where attention runs, uncompressed, on a
-        device whose hot path is the PyTorch reference: the extension's kernels index
-        contiguous buffers, and a layer's rows of a stack are a strided view."""
+        and evicts, and its cache in `tier` stays where attention runs, uncompressed (the rule
+        of `memory.in_place`, which imports this module), on a device whose hot path is the
+        PyTorch reference: the extension's kernels index contiguous buffers, and a layer's rows
+        of a stack are a strided view."""
         return (self.stack_layers and policy.stacks and layout.evicts
                 and not self.placement.compress_cache and self._work_tier(tier) == tier
                 and ext.backend(self.tiers.device(tier)) == ext.REFERENCE)

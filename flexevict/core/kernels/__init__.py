@@ -385,8 +385,8 @@ def cascade_update(buf, sub: SubCaches, probs, rule: CascadeRule) -> None:
     if module is None or not ext.within(module, cascade_max_levels=levels,
                                         cascade_max_kv_heads=kv):
         return reference.cascade_update(buf, sub, probs, rule)
-    if probs is None:          # no slot past the sinks to score: the kernel only inserts
-        probs = buf.score.new_zeros(buf.score.shape[1], 1, 0)
+    if probs is None:          # the EMA is taken: zero-width probs leave the kernel's EMA
+        probs = buf.score.new_zeros(buf.score.shape[1], 1, 0)   # loop empty, it only inserts
     moved_to = module.cascade_update(buf, probs.contiguous(), sub.start, sub.count,
                                      sub.size.view(-1), rule, ext.stream(buf.k))
     buf.mark(moved_to)
