@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexevict.runtime.memory import MemoryPlan, in_place, stage_weights, work_tier
+from flexevict.runtime.memory import MemoryPlan, stage_weights
 from flexevict.core.model import LINEAR_WEIGHTS
 
 # Element-wise passes per half layer, without a calibration probe: over (tokens x hidden) in the
@@ -173,7 +173,7 @@ class CostModel:
         stages = {s[0]: s[1] for s in self._stage_kinds(p.sep_layer)}
         loads = {kind: self._weight_load(p, plan, stage) for kind, stage in stages.items()}
         cache = self._cache_io(p, plan, sizes, i)
-        works = [work_tier(p, t) if i > 0 else "gpu" for t in p.cache_tiers(len(sizes))]
+        works = [p.work_tier(t) if i > 0 else "gpu" for t in p.cache_tiers(len(sizes))]
         total, terms = 0.0, {}
 
         def add(term, t):
@@ -438,12 +438,12 @@ class CostModel:
         stores = [0.0, 0.0]
         offloaded = False
         for tier, b in zip(tiers, sizes):
-            if tier == "gpu" and not p.compress_cache or i > 0 and in_place(p, tier):
+            if tier == "gpu" and not p.compress_cache or i > 0 and p.in_place(tier):
                 continue
             offloaded = True
             whole = sum(plan._buffer_tensors(b, p.compress_cache))
             full = sum(plan._buffer_tensors(b, False))
-            work = work_tier(p, tier) if i > 0 else "gpu"      # prefill computes on the device
+            work = p.work_tier(tier) if i > 0 else "gpu"      # prefill computes on the device
             kv_full = 2 * self.slots * b * self.config.num_kv_heads * self.config.dim_head * \
                 self.elem
             if i == 0:                        # a fresh buffer, everything stored after prefill

@@ -330,17 +330,12 @@ class Engine:
 
     def _stacks(self, policy: Policy, layout: Layout, tier: str) -> bool:
         """A batch's layers share one stacked buffer (kv.LayerRows) when the policy `stacks`
-        and evicts, and its cache in `tier` stays where attention runs, uncompressed (the rule
-        of `memory.in_place`, which imports this module), on a device whose hot path is the
-        PyTorch reference: the extension's kernels index contiguous buffers, and a layer's rows
-        of a stack are a strided view."""
+        and evicts, and decode computes on its cache home in `tier` itself (`Placement.in_place`),
+        on a device whose hot path is the PyTorch reference: the extension's kernels index
+        contiguous buffers, and a layer's rows of a stack are a strided view."""
         return (self.stack_layers and policy.stacks and layout.evicts
-                and not self.placement.compress_cache and self._work_tier(tier) == tier
+                and self.placement.in_place(tier)
                 and ext.backend(self.tiers.device(tier)) == ext.REFERENCE)
-
-    def _work_tier(self, tier: str) -> str:
-        """Attention (and eviction) for a cache in `tier` runs in this tier's memory."""
-        return "cpu" if self.placement.cpu_cache_compute and tier in ("cpu", "disk") else "gpu"
 
     def _step(self, run: Run, i, feed, inputs, consume: Consumer):
         """One token step over the (layer, GPU batch) grid -> next feed per batch."""
@@ -442,15 +437,15 @@ class Engine:
             return DONE
         home, tier = run.cache[k][stage.layer], run.cache_tiers[k]
         stored = run.home_stored.get((k, stage.layer), DONE)   # its latest store
-        direct_cpu = tier == "cpu" and self.placement.cpu_cache_compute and i > 0
-        if (tier == "gpu" or direct_cpu) and not self.placement.compress_cache:
+        # the home itself, except a CPU home's prefill, which computes on the device
+        if self.placement.in_place(tier) and (tier == "gpu" or i > 0):
             stored.wait()                              # e.g. the prefill's store into it
             return Ticket(home)
         if i == 0:                                     # prefill computes on the compute device
             return Ticket(_like(home, self.tiers.compute))
         slot = n % POOL
         work = run.pool[slot]
-        dst = self._work_tier(tier)
+        dst = self.placement.work_tier(tier)
         dev = self.tiers.device(dst)
         if work is None or work.device != dev or work.valid.shape != home.valid.shape:
             work = run.pool[slot] = _like(home, dev)
@@ -470,7 +465,7 @@ class Engine:
         home, tier = run.cache[k][stage.layer], run.cache_tiers[k]
         if work is home:
             return DONE
-        src = "gpu" if i == 0 else self._work_tier(tier)    # prefill computes on the device
+        src = "gpu" if i == 0 else self.placement.work_tier(tier)   # prefill: on the device
 
         def store():
             self.traffic.add(src, tier, store_into(home, work))

@@ -148,7 +148,7 @@ class MemoryPlan:
             tiers[tier] += c.num_layers * (self._buffer_bytes(b, p.compress_cache,
                                                                pinned and tier == "cpu")
                                            + b * history)
-        for work in {work_tier(p, t) for t in homes if not in_place(p, t)}:
+        for work in {p.work_tier(t) for t in homes if not p.in_place(t)}:
             tiers[work] += POOL * self._buffer_bytes(max(self.sizes), False)
         return tiers
 
@@ -279,16 +279,6 @@ class MemoryPlan:
                 f"of {max(self.sizes)} at {percent} {' '.join(map(str, p.percent))} needs about "
                 f"{total / GIB:.1f} GiB of {what} memory but {where}; {fix}")
 
-
-def in_place(p, tier: str) -> bool:
-    """Whether decode computes on a cache home of `tier` itself (engine._load_cache): on the
-    GPU, or with --cpu-cache-compute on the CPU; never a compressed one."""
-    return (tier == "gpu" or (tier == "cpu" and p.cpu_cache_compute)) and not p.compress_cache
-
-
-def work_tier(p, tier: str) -> str:
-    """Where attention over a cache home of `tier` runs (engine._work_tier)."""
-    return "cpu" if p.cpu_cache_compute and tier in ("cpu", "disk") else "gpu"
 
 
 def host_need(need: dict, device, baseline: int = 0) -> int:

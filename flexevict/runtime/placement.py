@@ -122,6 +122,16 @@ class Placement:
         return [_tier_at(mid, self.cache_gpu, self.cache_cpu)
                 for mid in _midpoints([1] * num_gpu_batches)]
 
+    def work_tier(self, tier: str) -> str:
+        """Where attention (and eviction) over a cache home of `tier` runs: in the CPU's memory
+        with --cpu-cache-compute for a cpu or disk home, else on the compute device."""
+        return "cpu" if self.cpu_cache_compute and tier in ("cpu", "disk") else "gpu"
+
+    def in_place(self, tier: str) -> bool:
+        """Whether decode computes on a cache home of `tier` itself, never a working copy: on
+        the compute device, or with --cpu-cache-compute on the CPU; never a compressed one."""
+        return self.work_tier(tier) == tier and not self.compress_cache
+
 
 def _midpoints(sizes: list[int]) -> list[float]:
     total, acc, out = sum(sizes) or 1, 0, []
