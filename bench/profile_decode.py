@@ -93,11 +93,36 @@ def summarize(prof, args, config, run) -> dict:
     for k in kernels[:args.top]:
         lines.append(f"| {k['name'][:90]} | {k['ms_per_step']:.3f} | "
                      f"{100 * k['ms_per_step'] / gpu_ms:.1f}% | {k['calls_per_step']:.0f} |")
-    return {"args": vars(args), "slots": slots, "wall_ms_per_step": 1e3 * sum(steps) / len(steps),
+    cpu = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU"),
+                 key=lambda e: -e.self_cpu_time_total)
+    lines += ["", "| host op | self ms/step | calls/step |", "|---|---|---|"]
+    lines += [f"| {e.key[:90]} | {per_step(e.self_cpu_time_total):.3f} | "
+              f"{e.count / args.steps:.0f} |" for e in cpu[:args.top]]
+    host = host_syncs(prof, args.steps)
+    lines.append("host scalar reads and synchronizes per step: " + (", ".join(
+        f"{name} {n:g}" for name, n in host.items()) or "none"))
+    return {"args": vars(args), "slots": slots, "host_syncs_per_step": host,
+            "wall_ms_per_step": 1e3 * sum(steps) / len(steps),
             "gpu_kernel_ms_per_step": gpu_ms, "weight_bytes": weights, "cache_bytes": cache,
             "kernels": kernels, "table": "\n".join(lines),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__}
+
+
+# host-side calls that can make the host wait for the GPU (a scalar read: of a GPU tensor it
+# waits, of a CPU one it does not; a synchronize; a blocking copy): one wait per layer would
+# serialise the step's host dispatch and GPU work
+SYNC_CALLS = ("aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
+              "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def host_syncs(prof, steps: int) -> dict:
+    """Calls per step of each `SYNC_CALLS` name seen on the host side of the profile."""
+    counts = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CPU" and e.key in SYNC_CALLS:
+            counts[e.key] = counts.get(e.key, 0) + e.count / steps
+    return counts
 
 
 if __name__ == "__main__":

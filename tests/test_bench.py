@@ -70,6 +70,18 @@ def test_projection_never_extrapolates_a_falling_line():
     assert latency == pytest.approx(sum(steps[1:]) + mean * (2047 - 63))
 
 
+def test_projection_of_a_full_buffer_is_flat():
+    """A full fixed-budget buffer's steps cost the same however far the run goes: rising noise
+    (a host whose speed drifted, the fourth H200 run) is not carried on; a buffer that fills
+    during the run grows until it is full, then stays."""
+    steps = [5.0] + [0.034 + 0.00008 * i for i in range(63)]
+    latency, _ = project_decode(steps, 2048, flat_from=0)
+    assert latency == pytest.approx(sum(steps[1:]) + sum(steps[2:]) / 62 * (2047 - 63))
+    assert project_decode(steps, 2048)[0] > 1.5 * latency          # the line it replaces
+    latency, _ = project_decode([9.0, 1.0, 1.0, 2.0, 3.0], 8, flat_from=5)   # full at step 5
+    assert latency == pytest.approx(1 + 1 + 2 + 3 + 4 + 5 + 5)           # steps 4, 5, 6
+
+
 @pytest.mark.slow
 def test_model_too_big_for_memory_gives_estimate_and_fix():
     proc = run("bench", "--model", "opt-175b", "--device", "cpu", "--gpu-batch-size", "1")

@@ -290,23 +290,31 @@ def _random_prompts(config, n: int, length: int, seed: int) -> list[list[int]]:
 
 # ---------------------------------------------------------------------------- results
 
-def project_decode(step_seconds: list[float], gen_len: int) -> tuple[float, bool]:
+def project_decode(step_seconds: list[float], gen_len: int, flat_from: int | None = None
+                   ) -> tuple[float, bool]:
     """Decode latency for gen_len - 1 steps from the measured ones -> (seconds, projected).
 
     Missing steps are extrapolated with a line fitted to the measured decode steps after the
-    first (a full cache's step grows with context; a fixed-budget buffer's stays flat). A
-    falling line is noise, not a trend (no step gets cheaper as the context grows): then the
-    missing steps cost the measured mean. On the first H200 run a -19 us/step fit over 63 flat
-    18 ms steps, carried 1984 steps on, projected a quarter of the real decode time."""
+    first (a full cache's step grows with context), up to decode step `flat_from`, from which
+    every step attends the same number of slots (a fixed-budget buffer is full; None: never):
+    the line stops rising there, and where the measured steps already passed it they are
+    flat, so the missing ones cost their mean. A falling line is noise, not a trend (no step
+    gets cheaper as the context grows): then too the missing steps cost the measured mean.
+    Both kinds of noise were seen on H200 runs: a -19 us/step fit over 63 flat 18 ms steps
+    projected a quarter of the real decode time, and a +80 us/step fit over 63 flat 34 ms steps
+    (a host whose speed drifted) nearly twice it."""
     decode = step_seconds[1:]
     missing = gen_len - 1 - len(decode)
     if missing <= 0:
         return float(sum(decode)), False
-    steady = decode[1:] or decode
+    steady = decode[1:] or decode          # steady[j] is decode step j + 1
     at = np.arange(len(steady), len(steady) + missing)
     slope, mean = 0.0, float(np.mean(steady)) if steady else 0.0
-    if len(steady) >= 3:
+    flat = flat_from is not None and flat_from <= len(decode)
+    if len(steady) >= 3 and not flat:
         slope = max(float(np.polyfit(np.arange(len(steady)), steady, 1)[0]), 0.0)
+    if flat_from is not None:
+        at = np.minimum(at, flat_from - 1)
     # the line through the measured steps' centre with that slope
     extra = float((mean + slope * (at - (len(steady) - 1) / 2)).sum())
     return float(sum(decode)) + extra, True
@@ -317,7 +325,11 @@ def _result(args, plan, policy, timed, device, steps) -> dict:
     stats, layout = timed.run.stats, timed.run.layout
     config, placement, n = plan.config, plan.placement, plan.n
     prefill = stats.step_seconds[0]
-    decode, projected = project_decode(stats.step_seconds, args.gen_len)
+    # a buffer that evicts is full from this decode step on: its steps stop growing there
+    # (unless it keeps a growing history besides, as recall does)
+    full = (max(layout.capacity - args.prompt_len, 0)
+            if layout.evicts and not layout.home_tokens else None)
+    decode, projected = project_decode(stats.step_seconds, args.gen_len, full)
     total = prefill + decode
     return {
         "model": config.name, "path": args.path, "dtype": str(plan.dtype).replace("torch.", ""),
