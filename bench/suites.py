@@ -123,7 +123,7 @@ def suite_h2o():
     for bs in (24, 64):
         for pol in (("full",), ("h2o", 0.2)):
             # uncut: full's step grows with the context (a projection misses the curve), and
-            # h2o's graphed steps capture one graph per ring position in their first lap
+            # h2o's one capture is paid back over the whole run
             cases.append(case(f"opt-6.7b-2048+2048-bs{bs}-{pol[0]}", "opt-6.7b", lengths,
                               ("100 0 100 0 100 0", bs, 1), long, policy=pol))
     # h2o with every step eager: its eviction share and what the graphs save, side by side

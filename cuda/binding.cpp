@@ -65,12 +65,15 @@ void raise_if(const char* err, const char* op) {
 // pos int32, valid bool (slots, rows); all contiguous on one CUDA device.
 struct Buf {
   Tensor k, v, score, state, pos, valid;
+  c10::optional<Tensor> cursor_at;    // the ring cursor, where the buffer keeps it on the device
 
   // The tensors of a flexevict.core.kv.KVBuffer, read by name and checked: a kernel call takes
   // its buffer, not six tensors.
   static Buf of(const pybind11::handle& buffer) {
     auto get = [&](const char* name) { return buffer.attr(name).cast<Tensor>(); };
-    Buf buf{get("k"), get("v"), get("score"), get("state"), get("pos"), get("valid")};
+    Buf buf{get("k"), get("v"), get("score"), get("state"), get("pos"), get("valid"), {}};
+    const pybind11::object at = buffer.attr("cursor_at");
+    if (!at.is_none()) buf.cursor_at = at.cast<Tensor>();
     buf.check();
     return buf;
   }
@@ -95,6 +98,12 @@ struct Buf {
     check_dtype(valid, "buffer valid", at::kBool);
     for (const auto& t : {score, state, pos, valid})
       check_shape(t, "buffer score/state/pos/valid", {slots, rows});
+    if (cursor_at) {
+      check_device(*cursor_at, "buffer cursor_at", k);
+      check_dtype(*cursor_at, "buffer cursor_at", at::kLong);
+      TORCH_CHECK_VALUE(cursor_at->numel() == 1, "flexevict._C: buffer cursor_at must hold one "
+                        "slot (got ", cursor_at->sizes(), ")");
+    }
   }
 };
 
@@ -214,6 +223,12 @@ FeSelectCommit selection(const Buf& buf, int64_t n_range, int64_t extra, int64_t
   FeSelectCommit p{};
   p.source = FE_VALUE_SCORE;
   p.n_range = n_range, p.extra = extra, p.commit = (int)commit, p.cursor = cursor;
+  if (buf.cursor_at) {
+    // the host's cursor and an extra candidate equal to it (the ring's oldest slot, as every
+    // caller passes it) are read from the device when the kernel runs: a graph replays them
+    p.cursor_at = buf.cursor_at->data_ptr<int64_t>();
+    p.extra_is_cursor = extra >= 0 && extra == cursor;
+  }
   return p;
 }
 

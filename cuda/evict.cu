@@ -72,11 +72,11 @@ __device__ __forceinline__ float hamming_value(const FeSelectCommit& p, int64_t 
   return -(float)dist;                              // the farthest key is the lowest value
 }
 
-__device__ Pick pick_victim(const FeSelectCommit& p, int64_t row, int lane) {
-  const int64_t ncand = p.n_range + (p.extra >= 0 ? 1 : 0);
+__device__ Pick pick_victim(const FeSelectCommit& p, int64_t extra, int64_t row, int lane) {
+  const int64_t ncand = p.n_range + (extra >= 0 ? 1 : 0);
   Pick best{INFINITY, INT_MAX, INT_MAX};
   for (int64_t c = lane; c < ncand; c += kWarp) {
-    const int64_t slot = c < p.n_range ? c : p.extra;
+    const int64_t slot = c < p.n_range ? c : extra;
     const int64_t at = slot * p.rows + row;
     float key;
     if (!p.valid[at]) key = -INFINITY;
@@ -107,12 +107,14 @@ __global__ void select_commit_kernel(FeSelectCommit p) {
   const Buffer<T> b{static_cast<T*>(p.k), static_cast<T*>(p.v), p.score, p.state, p.pos,
                     p.valid, p.rows, p.dim};
   const int64_t scratch = p.slots - 1;
+  const int64_t cursor = p.cursor_at != nullptr ? *p.cursor_at : p.cursor;
+  const int64_t extra = p.extra_is_cursor ? cursor : p.extra;
   int64_t victim;
   if (p.victims_in != nullptr) {
     victim = p.victims_in[row];
   } else {
-    const Pick best = pick_victim(p, row, lane);
-    victim = best.cand < p.n_range ? best.cand : p.extra;
+    const Pick best = pick_victim(p, extra, row, lane);
+    victim = best.cand < p.n_range ? best.cand : extra;
   }
   if (lane == 0 && p.victims_out != nullptr) p.victims_out[row] = victim;
   // every lane's reads of the row (the selection) before any lane's writes (the commit): the
@@ -128,9 +130,9 @@ __global__ void select_commit_kernel(FeSelectCommit p) {
       if (lane == 0) p.valid[b.at(scratch, row)] = 0;
       break;
     case FE_COMMIT_RING:                            // KVBuffer.ring_commit
-      move_token(b, p.cursor, victim, row, lane);   // the oldest recent token survives
+      move_token(b, cursor, victim, row, lane);     // the oldest recent token survives
       __syncwarp();
-      move_token(b, scratch, p.cursor, row, lane);
+      move_token(b, scratch, cursor, row, lane);
       __syncwarp();
       if (lane == 0) p.valid[b.at(scratch, row)] = 0;
       break;

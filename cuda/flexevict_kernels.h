@@ -93,6 +93,9 @@ struct FeSelectCommit {
   const int64_t* codes;            // (slots, rows, words), or null: the code is `state` (words 1)
   int commit;                      // FeCommit
   int64_t cursor;                  // FE_COMMIT_RING: the oldest recent slot
+  const int64_t* cursor_at;        // or null: the cursor read from device memory instead (a
+                                   // CUDA graph's replays then take the current one)
+  int extra_is_cursor;             // with cursor_at: the extra candidate is that cursor
   const int64_t* victims_in;       // (rows,) given victims (no selection), or null
   int64_t* victims_out;            // (rows,)
 };

@@ -164,11 +164,6 @@ class Policy:
     def wants_prompt_scores(self, layout: Layout) -> bool:
         return self.needs_prompt_scores and layout.evicts
 
-    def graph_states(self, layout: Layout) -> int:
-        """How many host states a full buffer's decode steps cycle through (one CUDA graph
-        each, for a graph_safe policy): one, unless the policy keeps a moving host-side index."""
-        return 1
-
     def logit_scale(self, n_keys: int) -> float:
         """Factor on attention logits with n_keys keys (BUZZ-log n); default 1."""
         return 1.0
@@ -230,9 +225,6 @@ class RingPolicy(Policy):
 
     def prefix_slots(self, capacity: int) -> int:
         raise NotImplementedError
-
-    def graph_states(self, layout: Layout) -> int:
-        return layout.ring            # the ring's cursor takes each of its positions in turn
 
     def prefix_rank(self, buf, scores, k, v, pos, valid) -> torch.Tensor:
         """(S, rows) rank of prompt tokens for buf's prefix; higher is kept. scores, pos, valid

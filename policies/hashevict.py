@@ -276,6 +276,7 @@ class HashEvict(RingPolicy):
         victims = buf.policy_state["victims"]
         if not self.in_state:                       # mirror ring_commit's moves on the codes
             h, rows = buf.policy_state["hash"], buf.rows_index
-            h[victims, rows] = h[buf.cursor, rows]
-            h[buf.cursor] = h[buf.scratch]
+            cursor = buf.ring_cursor()           # an int, or the (1,) index kept on the device
+            h[victims, rows] = h[cursor, rows]
+            h[cursor] = h[buf.scratch].clone()   # an indexed write refuses a view of h itself
         kernels.ring_commit(buf, victims)

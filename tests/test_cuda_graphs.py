@@ -13,7 +13,8 @@ from flexevict.policies import POLICIES, get_policy
 from flexevict.policies.h2o import H2O
 from flexevict.runtime.engine import Engine
 from flexevict.runtime.generation import generate
-from flexevict.runtime.graphs import DecodeGraphs, host_state, set_host_state
+from flexevict.runtime.graphs import (DecodeGraphs, cursors, host_state, restore_cursors,
+                                      set_host_state)
 from flexevict.runtime.placement import Placement
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: real CUDA graphs")
@@ -32,12 +33,14 @@ class _Rerun:
             self.first = False
             return
         set_host_state(self.bufs, self.key)
+        mirrors = cursors(self.bufs)       # the host's ring cursors, advanced before the replay
         out = self.body(self.static)
         for dst, src in zip(self.captured.outputs, out):
             dst.copy_(src)
         assert host_state(self.bufs) == self.captured.after, "the step's host state is not " \
                                                              "a function of its key"
         set_host_state(self.bufs, self.key)   # a real replay runs no Python: it stays at key
+        restore_cursors(self.bufs, mirrors)
 
 
 class RerunGraphs(DecodeGraphs):
@@ -100,23 +103,40 @@ def test_graphed_steps_give_the_eager_tokens(arch, name, rerun):
     tokens, stats = run(_engine(arch, graphs=True), prompts, 40, policy)
     assert tokens == ref
     # every decode step of a buffer that fills at prefill goes through the graphs; the first
-    # is the warm-up, then one capture per host state (ring cursor) and replays after
+    # is the warm-up, then one capture (a ring cursor is kept on the device) and replays
     assert stats.graphed == [False] + [True] * 39
-    assert 0 < stats.graph_captures < 38
+    assert stats.graph_captures == 1
 
 
-def test_one_graph_per_ring_position(short_runs):
-    """h2o at 12 slots: 11 committed, half heavy, so the ring cycles through 6 cursors."""
-    layout = H2O(budget_tokens=12).layout(30, 40)
-    ring = layout.capacity - layout.prefix
+@pytest.mark.parametrize("arch", CONFIGS)
+def test_graphed_hashevict_with_codes_beside_the_buffer(arch, rerun):
+    """HashEvict's codes of more than 24 bits live in their own field, moved with the ring's
+    commit at the cursor kept on the device."""
+    prompts, policy = rand_prompts([30, 25], seed=4), get_policy("hashevict", budget_tokens=24,
+                                                                 hash_bits=40)
+    ref, _ = run(_engine(arch, graphs=False), prompts, 30, policy)
+    tokens, stats = run(_engine(arch, graphs=True), prompts, 30, policy)
+    assert tokens == ref and stats.graph_captures == 1 and all(stats.graphed[1:])
+
+
+@pytest.mark.parametrize("stack_layers", [False, True])
+def test_one_graph_serves_every_ring_position(short_runs, monkeypatch, stack_layers):
+    """h2o at 12 slots: 11 committed, half heavy, so the ring cycles through 6 cursors; the
+    cursor lives on the device in a graphed run (advanced there by the commit, mirrored on the
+    host), so one capture serves all 6, laps after laps, stacked layers or not."""
+    monkeypatch.setattr(Engine, "stack_layers", stack_layers)
+    prompts, policy = rand_prompts([30], seed=1), H2O(budget_tokens=12)
     runs = []
     engine = _engine("opt", graphs=True)
     engine.Graphs = RerunGraphs
     real = engine._run
     engine._run = lambda run, *a: runs.append(run) or real(run, *a)
-    generate(engine, rand_prompts([30], seed=1), 40, H2O(budget_tokens=12))
-    g = runs[0].graphs
-    assert g.captures == ring and g.replays == 38       # 39 decode steps, one warm-up
+    tokens = generate(engine, prompts, 40, policy)
+    g, bufs = runs[0].graphs, [b for batch in runs[0].cache for b in batch]
+    assert g.captures == 1 and g.replays == 38          # 39 decode steps, one warm-up
+    assert all(int(b.cursor_at) == b.cursor for b in bufs)
+    assert len({b.cursor for b in bufs}) == 1 and bufs[0].cursor != bufs[0].ring_start
+    assert tokens == generate(_engine("opt", graphs=False), prompts, 40, policy)
 
 
 def test_a_policy_that_reassigns_buffer_state_is_refused(rerun):
@@ -184,16 +204,15 @@ def test_graphs_only_where_a_step_can_be_replayed(case, rerun, tmp_path):
     assert not any(stats.graphed)
 
 
-@pytest.mark.parametrize("steps,graphed", [(5 * 6 - 1, False), (5 * 6, True)])
+@pytest.mark.parametrize("steps,graphed", [(4, False), (5, True)])
 def test_graphs_only_for_runs_long_enough_to_pay_them_back(steps, graphed, monkeypatch):
-    """h2o at 12 slots cycles through 6 ring positions: one capture each pays back after
-    GRAPH_REPLAYS (5) laps, so 29 decode steps run eagerly and 30 take the graphs."""
+    """A capture pays back after GRAPH_REPLAYS (5) replays: 4 decode steps run eagerly, 5
+    take the graph."""
     monkeypatch.setattr(Engine, "Graphs", RerunGraphs)
-    policy = H2O(budget_tokens=12)
-    assert policy.graph_states(policy.layout(30, steps + 1)) == 6
-    _, stats = run(_engine("opt", graphs=True), rand_prompts([30], seed=1), steps + 1, policy)
+    assert Engine.GRAPH_REPLAYS == 5
+    _, stats = run(_engine("opt", graphs=True), rand_prompts([30], seed=1), steps + 1,
+                   H2O(budget_tokens=12))
     assert any(stats.graphed) == graphed
-    assert get_policy("tova", budget_tokens=12).graph_states(policy.layout(30, 9)) == 1
 
 
 def test_the_cli_flag_reaches_the_placement():
@@ -213,7 +232,16 @@ def test_real_graphs_give_the_eager_tokens_on_a_gpu(arch, name, short_runs):
     ref, _ = run(_engine(arch, graphs=False, device="cuda"), prompts, 60, policy)
     tokens, stats = run(_engine(arch, graphs=True, device="cuda"), prompts, 60, policy)
     assert tokens == ref
-    assert sum(stats.graphed) == 59 and 0 < stats.graph_captures < 40
+    assert sum(stats.graphed) == 59 and stats.graph_captures == 1     # for every ring position
+
+
+@CUDA
+def test_real_graphs_of_hashevict_with_codes_beside_the_buffer(short_runs):
+    prompts = rand_prompts([30, 25], seed=4)
+    policy = get_policy("hashevict", budget_tokens=24, hash_bits=40)
+    ref, _ = run(_engine("llama-gqa", graphs=False, device="cuda"), prompts, 40, policy)
+    tokens, stats = run(_engine("llama-gqa", graphs=True, device="cuda"), prompts, 40, policy)
+    assert tokens == ref and sum(stats.graphed) == 39 and stats.graph_captures == 1
 
 
 @CUDA

@@ -225,6 +225,43 @@ def test_ring_and_replace_commits():
     assert buf.pos[:4, 0].tolist() == [3, 1, 0, 2] and not buf.valid[4, 0]
 
 
+def ring_buffer(device, cursor: int) -> KVBuffer:
+    """A full 33-slot buffer of 5 rows (ring [16, 33)) with random K/V, scores and positions."""
+    cap, rows, g = 33, 5, torch.Generator().manual_seed(0)
+    buf = KVBuffer(Layout(cap + 1), rows, 16, torch.float32, device)
+    for t in (buf.k, buf.v, buf.score):
+        t.copy_(torch.rand(t.shape, generator=g))
+    buf.pos[:cap] = torch.rand(cap, rows, generator=g).argsort(dim=0).to(torch.int32)
+    buf.pos[cap], buf.valid[:] = cap, True
+    buf.used, buf.ring_start, buf.cursor = cap, 16, cursor
+    return buf
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("cursor", [20, 32])                          # 32: wraps to 16
+@pytest.mark.parametrize("commit", ["evict_commit", "ring_commit"])
+def test_a_ring_cursor_kept_on_the_device_is_the_one_read(device, cursor, commit):
+    """A buffer keeping its ring cursor on the device (`cursor_at`, what lets one CUDA graph
+    serve every ring position) is committed at that cursor whatever its host int says, by the
+    reference and the kernel alike, and the cursor advances there."""
+    if device == "cuda":
+        assert ext.load() is not None, "the CUDA kernels did not build"
+    kept, plain = ring_buffer(device, cursor), ring_buffer(device, cursor)
+    kept.keep_cursor_on_device()
+    kept.cursor = 17                          # stale: what a replayed graph's launch holds
+    victims = torch.arange(5, device=device) * 3 % 16
+
+    def commit_once(buf):
+        if commit == "evict_commit":
+            return kernels.evict_commit(buf, buf.ring_start, cursor=True)
+        kernels.ring_commit(buf, victims)
+        return victims
+    assert torch.equal(commit_once(kept), commit_once(plain))
+    assert int(kept.cursor_at) == plain.cursor == (21 if cursor == 20 else 16)
+    kept.cursor = plain.cursor                # the stale mirror, for the comparison below
+    assert_same_buffers(kept, plain)
+
+
 def test_hash_victims_farthest_key_with_sinks_protected():
     buf = KVBuffer(Layout(6), 1, 2, torch.float32, "cpu")
     codes = [0b1111, 0b0000, 0b0011, 0b0001, 0b0111]                # slot 0 is a sink

@@ -135,6 +135,7 @@ class KVBuffer:
         self.used = 0            # committed slots filled (the same for every row)
         self.ring_start = 0      # ring policies: first slot of the recent queue
         self.cursor = 0          # ring policies: slot of the oldest recent token
+        self.cursor_at: torch.Tensor | None = None   # `cursor` on the device, where kept there
         self.rows_index = torch.arange(rows, device=self.valid.device)
         self.dirty: list | None = None   # K/V slots written since the last store (None: all)
         self.fields = fields
@@ -251,6 +252,19 @@ class KVBuffer:
         self.move(self.scratch, victims)
         self.valid[self.scratch] = False
 
+    def keep_cursor_on_device(self) -> None:
+        """Keep the ring cursor on the buffer's device as well (`cursor_at`, (1,) int64), where
+        the ring's commits read and advance it: a decode step's launches then no longer depend
+        on its host value, so one CUDA graph serves every ring position (runtime/graphs.py).
+        `cursor` stays its host mirror. One element, not a 0-dim tensor: torch reads a 0-dim
+        index on the host (a GPU sync), and indexes with a (1,) one on the device."""
+        if self.cursor_at is None:
+            self.cursor_at = torch.full((1,), self.cursor, dtype=torch.int64, device=self.device)
+
+    def ring_cursor(self) -> torch.Tensor | int:
+        """The ring's oldest slot as a commit indexes it: `cursor_at` where kept, else `cursor`."""
+        return self.cursor if self.cursor_at is None else self.cursor_at
+
     def ring_commit(self, victims: torch.Tensor) -> None:
         """Commit the scratch token into the recent queue.
 
@@ -258,20 +272,27 @@ class KVBuffer:
         token moves into a prefix victim (so it survives as a heavy hitter), the scratch token
         takes its ring slot, and the cursor advances.
         """
-        self.move(self.cursor, victims)          # no-op on rows whose victim is the cursor
+        self.move(self.ring_cursor(), victims)   # no-op on rows whose victim is the cursor
         self.ring_push()
 
     def ring_push(self) -> None:
         """The scratch token replaces the ring's oldest (at `cursor`), and the cursor advances:
         a sliding window's commit, and the second half of `ring_commit`."""
-        self.move(self.scratch, self.cursor)
+        self.move(self.scratch, self.ring_cursor())
         self.valid[self.scratch] = False
         self.advance_cursor()
 
     def advance_cursor(self) -> None:
-        """The ring's next oldest slot, wrapping from the last committed slot to ring_start
-        (ring_commit here, and the commit kernels after theirs)."""
-        self.cursor = self.cursor + 1 if self.cursor + 1 < self.capacity else self.ring_start
+        """The ring's next oldest slot (ring_commit here, and the commit kernels after theirs),
+        on the host and, where it is kept there, on the device."""
+        self.cursor = self.next_cursor()
+        if self.cursor_at is not None:    # (c + 1 - ring_start) mod ring + ring_start
+            ring = self.capacity - self.ring_start
+            self.cursor_at.sub_(self.ring_start - 1).remainder_(ring).add_(self.ring_start)
+
+    def next_cursor(self) -> int:
+        """The slot after `cursor`, wrapping from the last committed slot to ring_start."""
+        return self.cursor + 1 if self.cursor + 1 < self.capacity else self.ring_start
 
 
 def _shared(name: str) -> property:
@@ -283,11 +304,12 @@ def _shared(name: str) -> property:
 class LayerRows(KVBuffer):
     """Layer `layer`'s rows [start, stop) of `stack`, a buffer holding every layer's rows
     (`KVBuffer.layers`). Its tensors and declared state are views of the stack's; its
-    counters (`used`, `ring_start`, `cursor`) are the stack's, since every layer is at the
-    same point of a token step: per-layer work (writing the new token, attention, a policy's
-    `before_attention` and `observe`) reads them, and only a prefill (every layer setting the
-    same values) or the stack's commit, once per step, moves them."""
+    counters (`used`, `ring_start`, `cursor`, `cursor_at`) are the stack's, since every layer
+    is at the same point of a token step: per-layer work (writing the new token, attention, a
+    policy's `before_attention` and `observe`) reads them, and only a prefill (every layer
+    setting the same values) or the stack's commit, once per step, moves them."""
     used, ring_start, cursor = _shared("used"), _shared("ring_start"), _shared("cursor")
+    cursor_at = _shared("cursor_at")
 
     def __init__(self, stack: KVBuffer, layer: int, start: int, stop: int):
         if any(not isinstance(v, torch.Tensor) for v in stack.policy_state.values()):

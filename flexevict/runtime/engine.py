@@ -138,7 +138,7 @@ class Engine:
     `Engine.resident` (an already loaded Transformer, everything on its device)."""
 
     Graphs = DecodeGraphs       # the steady decode steps' CUDA graphs (tests put a CPU double)
-    # Decode steps per graph a run needs before it captures any: a capture costs an eager step
+    # Decode steps a run needs before it captures its graph: a capture costs an eager step
     # plus a replay, and a replay saved about a quarter of an eager step on an H200 (OPT-6.7B,
     # batch 24: 31-34 ms to capture, 13.0 ms to replay, 17.0 ms eager), so a graph pays back
     # after about four replays
@@ -393,7 +393,7 @@ class Engine:
                 and run.policy.graph_safe and layout.evicts and resident
                 and set(run.cache_tiers) == {"gpu"} and not p.compress_cache
                 and p.act_tier == "gpu"
-                and steps - 1 >= self.GRAPH_REPLAYS * run.policy.graph_states(layout))
+                and steps - 1 >= self.GRAPH_REPLAYS)
 
     def _graph_step(self, run: Run, i, feed, inputs, consume):
         """`_step` through the run's graphs: every layer up to the head replays, the head and

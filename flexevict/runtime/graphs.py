@@ -5,11 +5,13 @@ costs more than the GPU work they do (the first H200 run: 18 ms per step against
 floor). A graph launches a captured step's kernels in one call.
 
 When a step can be replayed: once every KV buffer is full, a step's launches depend only on
-the buffers' host-side state (their int attributes: fill count, ring cursor, ...) and on
-tensor contents. So graphs are kept per distinct host state (`host_state`): a ring policy's
-cursor cycles through its ring, and each cursor value is captured once and replayed on every
-later lap. Replay runs no Python, so the host state a step leaves behind (the cursor advanced)
-is recorded at capture and set again after each replay.
+the buffers' host-side state (their int attributes: fill count, ...) and on tensor contents.
+So graphs are kept per distinct host state (`host_state`). The one counter that moves every
+step, a ring policy's cursor, is kept on the device for a graphed run
+(`KVBuffer.keep_cursor_on_device`): the commits read and advance it there, so it is no part of
+the host state and one graph serves every ring position. Replay runs no Python, so the host
+state a step leaves behind is recorded at capture and set again after each replay, and each
+ring cursor the step advanced is advanced on the host too (its mirror).
 
 What a policy must do to allow it (`Policy.graph_safe`): its decode hooks change buffer
 tensors in place only (a tensor reassigned during a step would be the capture's, not the
@@ -36,7 +38,9 @@ def host_state(bufs) -> tuple:
 
 
 def _buffer_state(buf) -> tuple:
-    attrs = tuple((k, v) for k, v in vars(buf).items() if isinstance(v, HOST_TYPES))
+    mirrored = {"cursor"} if buf.cursor_at is not None else set()    # the device's is read
+    attrs = tuple((k, v) for k, v in vars(buf).items()
+                  if isinstance(v, HOST_TYPES) and k not in mirrored)
     fields = tuple((k, v) for k, v in buf.policy_state.items() if isinstance(v, HOST_TYPES))
     tensors = [*buf.tensors(), *buf.policy_state.values()]
     return attrs, fields, tuple(t.data_ptr() for t in tensors if isinstance(t, torch.Tensor))
@@ -48,6 +52,17 @@ def set_host_state(bufs, state: tuple) -> None:
         for k, v in attrs:
             setattr(buf, k, v)
         buf.policy_state.update(fields)
+
+
+def cursors(bufs) -> list[int | None]:
+    """The host ring cursors of the buffers that own one (a stacked layer's is its stack's)."""
+    return [b.cursor if b.stack is None else None for b in bufs]
+
+
+def restore_cursors(bufs, saved: list[int | None]) -> None:
+    for b, c in zip(bufs, saved):
+        if c is not None:
+            b.cursor = c
 
 
 def copy_into(dst, src) -> None:
@@ -84,6 +99,7 @@ class Captured:
     graph: object           # .replay() runs the step's kernels
     outputs: object         # what the step returned at capture, rewritten by each replay
     after: tuple            # the host state the step leaves
+    advanced: tuple         # per buffer: the step advanced its ring cursor (on the device)
 
 
 class DecodeGraphs:
@@ -108,13 +124,21 @@ class DecodeGraphs:
     def step(self, bufs, inputs, body: Callable):
         if not self._warm:
             self._warm = True
+            for b in bufs:
+                b.keep_cursor_on_device()
             return self._eager(body, inputs)
         key = host_state(bufs)
         if self.static is None:
             self.static = clone_inputs(inputs)
         else:
             copy_into(self.static, inputs)
-        captured = self.graphs.get(key) or self.capture(bufs, key, body)
+        captured = self.graphs.get(key)
+        if captured is None:             # its Python ran: the host is at the step's after
+            captured = self.capture(bufs, key, body)
+        else:
+            for b, moved in zip(bufs, captured.advanced):
+                if moved:
+                    b.cursor = b.next_cursor()
         captured.graph.replay()
         set_host_state(bufs, captured.after)
         self.replays += 1
@@ -123,17 +147,20 @@ class DecodeGraphs:
     def capture(self, bufs, key: tuple, body: Callable) -> Captured:
         """Capture body(static inputs) from host state `key`; its kernels run at the replay
         that follows (the Python ran here, so the host state is already the step's after)."""
+        before = cursors(bufs)
         try:
             graph, outputs = self._record(body)
         except RuntimeError as e:        # e.g. an op the capture does not allow: no kernel
             set_host_state(bufs, key)    # ran, so putting the host state back undoes the step
+            restore_cursors(bufs, before)
             raise CaptureFailed(str(e).splitlines()[0]) from e
         after = host_state(bufs)
         if [a[2] for a in after] != [b[2] for b in key]:
             raise RuntimeError("a decode step reassigned a KV buffer tensor, which a CUDA graph "
                                "cannot replay: the policy is not graph_safe (change its "
                                "tensors in place), or run with --cuda-graphs false")
-        captured = self.graphs[key] = Captured(graph, outputs, after)
+        advanced = tuple(c is not None and b.cursor != c for b, c in zip(bufs, before))
+        captured = self.graphs[key] = Captured(graph, outputs, after, advanced)
         self.captures += 1
         return captured
 

@@ -188,12 +188,16 @@ def prefill_attention_scores(q, k, v, valid, scale: float, fold=None, block=None
 # ------------------------------------------------------------------------------ victims
 
 def candidate_slots(buf: KVBuffer, end: int, cursor: bool) -> torch.Tensor:
-    """Slots [0, end), plus the ring's oldest token `buf.cursor` when `cursor`: (c,) int64.
+    """Slots [0, end), plus the ring's oldest token `buf.ring_cursor()` when `cursor`: (c,)
+    int64.
 
-    Built on the device from host ints (arange, then a fill with the cursor): a tensor made
-    from a Python list would be a blocking host-to-device copy every decode step."""
+    Built on the device (arange, then the cursor: a fill with the host int, or a copy of the
+    one kept on the device): a tensor made from a Python list would be a blocking
+    host-to-device copy every decode step."""
     slots = torch.arange(end + bool(cursor), device=buf.k.device)
-    if cursor:
+    if cursor and buf.cursor_at is not None:
+        slots[end:].copy_(buf.cursor_at)
+    elif cursor:
         slots[end:].fill_(buf.cursor)
     return slots
 
