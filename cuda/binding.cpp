@@ -72,7 +72,7 @@ struct Buf {
   static Buf of(const pybind11::handle& buffer) {
     auto get = [&](const char* name) { return buffer.attr(name).cast<Tensor>(); };
     Buf buf{get("k"), get("v"), get("score"), get("state"), get("pos"), get("valid"), {}};
-    const pybind11::object at = buffer.attr("cursor_at");
+    const pybind11::object at = pybind11::getattr(buffer, "cursor_at", pybind11::none());
     if (!at.is_none()) buf.cursor_at = at.cast<Tensor>();
     buf.check();
     return buf;
