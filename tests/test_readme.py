@@ -4,8 +4,6 @@ sections live in the README of the folder they describe; the checks follow them 
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -93,19 +91,24 @@ def test_readme_commands_are_found_and_use_shipped_files():
 
 
 @pytest.mark.slow
-def test_readme_commands_run_as_written(tmp_path):
+def test_readme_commands_run_as_written(tmp_path, monkeypatch):
     """Each quick README command (README.md's, then the folder READMEs') runs as written after
     the Quick start, in order, from a folder where `bench/` is the repository's (outputs land
-    there, not in the checkout)."""
+    there, not in the checkout). Each runs its CLI's main in this process (`test_cli.run`,
+    which saves a fresh interpreter's 3 s of importing torch per command; test_cli runs a real
+    interpreter too)."""
     import shlex
+
+    from test_cli import run
     (tmp_path / "bench").symlink_to(os.path.join(ROOT, "bench"))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", FLEXEVICT_PROGRESS_SECONDS="600")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLEXEVICT_PROGRESS_SECONDS", "600")
     ran = []
     for cmd in readme_commands():
         if needs_elsewhere(cmd):
             continue
-        proc = subprocess.run([sys.executable, *shlex.split(cmd)[1:]], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
+        _, _, module, *args = shlex.split(cmd)          # python -m flexevict.<module> args
+        proc = run(module.removeprefix("flexevict."), *args)
         assert proc.returncode == 0, (cmd, proc.stderr[-2000:])
         ran.append(cmd)
     assert len(ran) >= 10

@@ -1,13 +1,16 @@
 """The accuracy sweep (`python -m flexevict.eval sweep`) on the packaged SmolLM2 and texts.
 
-One `--quick` sweep over every policy and task runs once for the module (about 2 minutes on a
-2-core CPU); the tests read its files. They check the orderings that hold robustly at the quick
-size (every policy beats `local` on streaming perplexity at 20%; `full` reproduces the
-no-eviction engine bit for bit), resumability, the `--text` override and the one-line errors.
+One `--quick` sweep over every policy and task runs once for the module (about a minute on a
+2-core CPU, the policies split over two processes); the tests read its files. They check the
+orderings that hold robustly at the quick size (every policy beats `local` on streaming
+perplexity at 20%; `full` reproduces the no-eviction engine bit for bit), resumability, the
+`--text` override and the one-line errors.
 """
 import json
 import math
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -41,10 +44,23 @@ def cells(folder) -> dict:
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory, smollm2_path):
+    """The --quick sweep of every policy, shared out over the CPU's cores (a process and a
+    torch thread each, all writing the one results folder, which the sweep locks for them),
+    then its tables and plots from the results (--report)."""
     packaged_texts_or_skip()
     folder = str(tmp_path_factory.mktemp("sweep"))
-    main(["sweep", "--quick", "--out", folder, "--json"])
+    cores = min(len(os.sched_getaffinity(0)), 4)
+    shares = [",".join(list(POLICIES)[k::cores]) for k in range(cores)]
+    with ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(sweep_share, [folder] * cores, shares))
+    main(["sweep", "--quick", "--report", "--out", folder])
     return folder
+
+
+def sweep_share(folder: str, policies: str) -> None:
+    """In a worker process: the quick sweep of these policies (and `full`, which every sweep
+    runs once: a second run of its cells rewrites the same results)."""
+    main(["sweep", "--quick", "--policies", policies, "--threads", "1", "--out", folder])
 
 
 @pytest.mark.slow
