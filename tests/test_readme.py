@@ -95,11 +95,12 @@ def test_readme_commands_run_as_written(tmp_path, monkeypatch):
     """Each quick README command (README.md's, then the folder READMEs') runs as written after
     the Quick start, in order, from a folder where `bench/` is the repository's (outputs land
     there, not in the checkout). Each runs its CLI's main in this process (`test_cli.run`,
-    which saves a fresh interpreter's 3 s of importing torch per command; test_cli runs a real
-    interpreter too)."""
+    which saves a fresh interpreter's 3 s of importing torch per command), except a command
+    whose --cpu-mem-limit counts its own process's memory: that one gets a fresh interpreter,
+    as a user's would be."""
     import shlex
 
-    from test_cli import run
+    from test_cli import run, run_process
     (tmp_path / "bench").symlink_to(os.path.join(ROOT, "bench"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FLEXEVICT_PROGRESS_SECONDS", "600")
@@ -108,7 +109,8 @@ def test_readme_commands_run_as_written(tmp_path, monkeypatch):
         if needs_elsewhere(cmd):
             continue
         _, _, module, *args = shlex.split(cmd)          # python -m flexevict.<module> args
-        proc = run(module.removeprefix("flexevict."), *args)
+        fresh = run_process if "--cpu-mem-limit" in args else run
+        proc = fresh(module.removeprefix("flexevict."), *args)
         assert proc.returncode == 0, (cmd, proc.stderr[-2000:])
         ran.append(cmd)
     assert len(ran) >= 10
