@@ -466,6 +466,7 @@ def test_calibration_prints_every_step(monkeypatch, tmp_path):
         monkeypatch.setattr(calibration, name, lambda *a, **k: 1.0)
     monkeypatch.delenv("FLEXEVICT_CALIBRATION", raising=False)
     monkeypatch.setenv("FLEXEVICT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "other_work_cores", lambda: 0.0)     # a quiet machine
     lines = []
     for quick in (True, False):
         calibration.load(torch.device("cpu"), 1, quick=quick, recalibrate=True,
@@ -475,6 +476,43 @@ def test_calibration_prints_every_step(monkeypatch, tmp_path):
         assert [re.match(r"calibrating: step (\d+)/(\d+): \S.* \(\d+ s elapsed\)$", ln).groups()
                 for ln in steps] == [(str(i), str(n)) for i in range(1, n + 1)]
         lines.clear()
+
+
+@pytest.mark.parametrize("busy", [0.1, 1.5])
+def test_a_machine_busy_with_other_work_gets_a_quick_calibration(monkeypatch, tmp_path, busy):
+    """Other work keeping cores busy makes every measurement several times slower: a first
+    calibration is then a quick one, measured as the machine is, and it says so in one line.
+    (The measurements are stubbed with the fixture calibration's.)"""
+    from flexevict.planner import calibration
+    fixture = json.load(open(os.path.join(os.path.dirname(__file__), "calibration_cpu.json")))
+    asked = []
+
+    def machine(device, offload_dir, quick, step):
+        asked.append(quick)
+        return {k: v for k, v in fixture.items() if k != "devices"} | {"quick": quick}
+
+    def device(device, dtype, quick, step):
+        asked.append(quick)
+        return fixture["devices"]["cpu:float32"]
+    monkeypatch.setattr(calibration, "measure_machine", machine)
+    monkeypatch.setattr(calibration, "measure_device", device)
+    monkeypatch.setattr(calibration, "other_work_cores", lambda: busy)
+    monkeypatch.delenv("FLEXEVICT_CALIBRATION", raising=False)
+    monkeypatch.setenv("FLEXEVICT_CACHE_DIR", str(tmp_path))
+    lines = []
+    cal = calibration.load(torch.device("cpu"), 1, log=lambda msg, **kw: lines.append(msg))
+    quick = busy >= calibration.BUSY_CORES
+    assert asked == [quick, quick] and cal.quick == quick
+    assert cal.data["host"]["busy_cores"] == busy
+    said = [ln for ln in lines if "cores busy" in ln]
+    assert len(said) == quick and all(f"{busy:.1f} of" in ln and "--recalibrate" in ln
+                                      for ln in said)
+
+
+def test_other_work_is_counted_in_cores():
+    from flexevict.planner import calibration
+    busy = calibration.other_work_cores(0.05)
+    assert 0.0 <= busy <= os.cpu_count() + 0.5
 
 
 def test_calibrate_summarises_in_the_devices_default_dtype(monkeypatch, capsys):

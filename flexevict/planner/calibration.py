@@ -31,7 +31,9 @@ rate is meant to be a memory or link rate):
 On a machine shared with other work a disturbance lasts seconds, longer than one measurement's
 repeats: the short measurements run in ROUNDS (3) rounds spread over the calibration and keep
 their medians, the long ones the median of their own repeats; about 30 s on a quiet 2-core CPU,
-`--quick` a few seconds.
+`--quick` a few seconds. A first calibration on a machine whose cores other work keeps busy
+(`other_work_cores`, from /proc/stat) is a quick one: it measures the machine as it is then,
+in about twice a quiet calibration's time rather than ten times.
 
 Everything is measured at one torch thread per core, plus how much longer a compute-bound and
 a memory-bound piece of work take on one thread (`measure_thread_scaling`) and the engine's fixed
@@ -204,10 +206,17 @@ def load(device: torch.device, threads: int | None = None, offload_dir: str | No
     log(f"calibrating this machine (once, for every --threads; cached in {where})",
         file=sys.stderr)
     t0 = time.perf_counter()
+    busy = other_work_cores()
+    if not quick and busy >= BUSY_CORES:
+        quick = True
+        log(f"calibrating: other work keeps about {busy:.1f} of this machine's cores busy: a "
+            "quick calibration, which measures it as it is now (`python -m flexevict.calibrate "
+            "--recalibrate` on a quiet machine measures it fully)", file=sys.stderr)
     steps = Steps(planned(device, quick), log)
     with _threads(_cores()):
-        cal = Calibration(measure_machine(device, offload_dir, quick, steps) | {"machine": key},
-                          where, steps=steps, threads=threads)
+        machine = measure_machine(device, offload_dir, quick, steps)
+        machine["host"]["busy_cores"] = round(busy, 2)
+        cal = Calibration(machine | {"machine": key}, where, steps=steps, threads=threads)
         cal.device(device, DTYPES[default_dtype(device)])
         if device.type == "cuda":        # attention where a CPU cache lives (--cpu-cache-compute)
             cal.device(torch.device("cpu"), DTYPES[default_dtype(device)])
@@ -424,6 +433,33 @@ def _mem_total_gb() -> float | None:
 
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+# Other work that keeps this many cores busy makes a first calibration quick: each of its
+# measurements then takes several times as long (threads wait for cores), and the many repeats
+# of a full one, there to find the least disturbed, would find none (a 2-core CPU with a
+# 2-thread job beside it: 100 s against 11 s quiet)
+BUSY_CORES = 0.5
+
+
+def other_work_cores(seconds: float = 0.25) -> float:
+    """How many cores other processes keep busy, measured over `seconds` while this one
+    sleeps: the share of CPU time the kernel counts as not idle (/proc/stat) times the CPUs it
+    counts; 0 where there is no /proc."""
+    def ticks():
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+        fields = [int(x) for x in lines[0].split()[1:9]]     # user .. steal (guest is in user)
+        cpus = sum(1 for ln in lines if re.match(r"cpu\d", ln))
+        return fields[3] + fields[4], sum(fields), cpus     # idle + iowait, all, CPUs
+    try:
+        idle0, all0, cpus = ticks()
+        time.sleep(seconds)
+        idle1, all1, _ = ticks()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    total = all1 - all0
+    return cpus * (total - (idle1 - idle0)) / total if total > 0 else 0.0
 
 
 def measure_parallel(quick: bool) -> float:
@@ -784,7 +820,8 @@ def tiny_config(arch: str, layers: int):
 
 def _tiny_steps(arch, layers, device, dtype, quick, **placement) -> tuple[float, float]:
     """(prefill seconds, decode step seconds) of the real engine on a tiny model, 2 GPU batches
-    of 1 sequence, 16 prompt tokens: the step is the engine's fixed costs, nothing else."""
+    of 1 sequence, 16 prompt tokens: the step is the engine's fixed costs, nothing else. The
+    smaller of two runs (one when quick)."""
     from flexevict.runtime.engine import Engine
     from flexevict.runtime.placement import Placement
     from flexevict.policies import get_policy
@@ -794,13 +831,13 @@ def _tiny_steps(arch, layers, device, dtype, quick, **placement) -> tuple[float,
     p = Placement(num_gpu_batches=2, offload_dir=offload, **placement)
     engine = Engine.load(config, DummyWeights(config, 0), p, device, dtype)
     prompts = [[5] * 16, [7] * 16]
-    steps = 6 if quick else 8
+    steps = 4 if quick else 8
 
     def greedy(i, k, h, head):
         return head(h[:, -1] if h.dim() == 3 else h).argmax(dim=-1)
     try:
         prefill, decode = math.inf, math.inf
-        for _ in range(2):
+        for _ in range(1 if quick else 2):
             st = engine.run(prompts, steps, get_policy("full"), greedy).stats.step_seconds
             tail = sorted(st[2:])
             prefill, decode = min(prefill, st[0]), min(decode, tail[len(tail) // 2])
@@ -875,6 +912,7 @@ def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
 
 
 ENGINE_PROBE = {"layers": 6, "gpu_batch_size": 4, "num_gpu_batches": 2, "prompt": 128, "gen": 6}
+ENGINE_PROBE_QUICK = ENGINE_PROBE | {"prompt": 64, "gen": 4}
 
 
 def engine_probe_config(arch: str):
@@ -894,13 +932,14 @@ def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
     engine probe, for "memory" (all in memory) and "stream" (weights on the cpu tier): two
     runs, each its prefill and the median of its steps after the second (streaming settles
     over a few steps: the allocator learns to recycle the reordered weights' buffers), and
-    the smaller of the two (the first run warms up; a disturbance rarely hits both)."""
+    the smaller of the two (the first run warms up; a disturbance rarely hits both); quick:
+    one shorter run (the short measurements before it ran the model's ops once already)."""
     from flexevict.runtime.engine import Engine
     from flexevict.runtime.placement import Placement
     from flexevict.policies import get_policy
     from flexevict.io.weights import DummyWeights
     config = engine_probe_config(arch)
-    e = ENGINE_PROBE
+    e = ENGINE_PROBE_QUICK if quick else ENGINE_PROBE
     n = e["gpu_batch_size"] * e["num_gpu_batches"]
     prompts = torch.randint(4, config.vocab_size, (n, e["prompt"])).tolist()
 
@@ -914,7 +953,7 @@ def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
         engine = Engine.load(config, DummyWeights(config, 0), p, device, dtype)
         runs = []
         try:
-            for _ in range(2):
+            for _ in range(1 if quick else 2):
                 st = engine.run(prompts, e["gen"], get_policy("full"), greedy).stats.step_seconds
                 runs.append([st[0], _median(st[2:])])
         finally:
