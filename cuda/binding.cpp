@@ -537,6 +537,42 @@ void copy_rows(Tensor& table, Tensor& rows, const Tensor& index, bool scatter, i
            "copy_rows");
 }
 
+// Recall's page choice (FePageSelect): q (rows, group, dim), summary (rows, 2, dim, n_pages) of
+// one dtype, limit (rows,) int64 -> (rows, pages) int64.
+Tensor page_select(const Tensor& q, const Tensor& summary, const Tensor& limit, int64_t page,
+                   int64_t sinks, int64_t pages, int64_t stream) {
+  check_device(q, "q", q);
+  const int dtype = dtype_code(q, "q");
+  TORCH_CHECK_VALUE(q.dim() == 3, "flexevict._C: q must be (rows, group, dim) (got ", q.sizes(),
+                    ")");
+  check_contiguous(q, "q");
+  const int64_t rows = q.size(0), dim = q.size(2);
+  check_device(summary, "summary", q);
+  check_dtype(summary, "summary", q.scalar_type());
+  check_contiguous(summary, "summary");
+  TORCH_CHECK_VALUE(summary.dim() == 4 && summary.size(0) == rows && summary.size(1) == 2 &&
+                        summary.size(2) == dim,
+                    "flexevict._C: summary must be (", rows, ", 2, ", dim, ", pages) (got ",
+                    summary.sizes(), ")");
+  check_device(limit, "limit", q);
+  check_dtype(limit, "limit", at::kLong);
+  check_shape(limit, "limit", {rows});
+  check_contiguous(limit, "limit");
+  TORCH_CHECK_VALUE(page >= 1 && sinks >= 0 && pages >= 0 && pages <= summary.size(3),
+                    "flexevict._C: page choice needs page >= 1, sinks >= 0 and 0 <= pages <= ",
+                    summary.size(3), " (got ", page, ", ", sinks, ", ", pages, ")");
+  Tensor out = at::empty({rows, pages}, limit.options());
+  FePageSelect p{};
+  p.dtype = dtype;
+  p.rows = rows, p.group = q.size(1), p.dim = dim, p.n_pages = summary.size(3);
+  p.page = page, p.sinks = sinks, p.pages = pages;
+  p.q = q.data_ptr(), p.summary = summary.data_ptr();
+  p.limit = limit.data_ptr<int64_t>(), p.out = out.data_ptr<int64_t>();
+  c10::DeviceGuard guard(q.device());
+  raise_if(fe_page_select(&p, as_stream(stream)), "page_select");
+  return out;
+}
+
 // The kernels' limits (flexevict_kernels.h) by name: Python reads them from here, so that the
 // header stays the only place they are written down.
 pybind11::dict limits() {
@@ -552,6 +588,8 @@ pybind11::dict limits() {
   out["lsh_max_dim"] = FE_LSH_MAX_DIM;
   out["cascade_max_levels"] = FE_CASCADE_MAX_LEVELS;
   out["cascade_max_kv_heads"] = FE_CASCADE_MAX_KV_HEADS;
+  out["page_max_pages"] = FE_PAGE_MAX_PAGES;
+  out["page_max_dim"] = FE_PAGE_MAX_DIM;
   return out;
 }
 
@@ -567,6 +605,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compact_prompt", &compact_prompt);
   m.def("buzz_pass", &buzz_pass);
   m.def("cascade_update", &cascade_update);
+  m.def("page_select", &page_select);
   m.def("quantize_4bit", &quantize_4bit);
   m.def("copy_rows", &copy_rows);
   m.def("dequantize_4bit", &dequantize_4bit);

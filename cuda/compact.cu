@@ -1,6 +1,7 @@
 // Prompt and buffer compaction kernels: the top-k gather of RingPolicy's prefill (H2O, VATP,
-// Scissorhands, StreamingLLM, local) and one BUZZ pass (sinks, interval-sampled old tokens,
-// chunk-local maxima of new tokens, window), each one block per buffer row.
+// Scissorhands, StreamingLLM, local), one BUZZ pass (sinks, interval-sampled old tokens,
+// chunk-local maxima of new tokens, window), and recall's top-k pages by Quest's bound, each
+// one block per buffer row.
 #include <math.h>
 
 #include "common.cuh"
@@ -244,6 +245,51 @@ __global__ void __launch_bounds__(kBuzzThreads) buzz_pass_kernel(FeBuzzPass p) {
   if (threadIdx.x == 0) p.kept[r] = (int32_t)kept;
 }
 
+// ------------------------------------------------------------------------------ recall's pages
+
+constexpr int kPageThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kPageThreads) page_select_kernel(FePageSelect p) {
+  extern __shared__ uint64_t keys[];                // (n2) sort keys, then s+ and s- (2 dim)
+  const int64_t r = blockIdx.x, d = p.dim, n = p.n_pages;
+  const int64_t n2 = pow2_at_least(n);
+  float* s = reinterpret_cast<float*>(keys + n2);
+  const T* q = static_cast<const T*>(p.q) + r * p.group * d;
+  for (int64_t e = threadIdx.x; e < d; e += blockDim.x) {
+    float plus = 0.f, minus = 0.f;
+    for (int64_t g = 0; g < p.group; ++g) {
+      const float x = fe::to_f(q[g * d + e]);
+      plus += fmaxf(x, 0.f);
+      minus += fminf(x, 0.f);
+    }
+    s[e] = fe::to_f(fe::from_f<T>(plus));             // the sums in the dtype, as the reference
+    s[d + e] = fe::to_f(fe::from_f<T>(minus));
+  }
+  __syncthreads();
+  const T* most = static_cast<const T*>(p.summary) + r * 2 * d * n;
+  const T* least = most + d * n;
+  const int64_t limit = p.limit[r];
+  // key = ~(bound bits, ~page): ascending order = highest bound first, ties -> the lower page
+  for (int64_t a = threadIdx.x; a < n2; a += blockDim.x) {
+    uint64_t key = ~0ull;                           // padding sorts last
+    if (a < n) {
+      const int64_t first = a * p.page;
+      float bound = -INFINITY;                      // not a candidate (an empty page: NaN)
+      if (first < limit && first + p.page > p.sinks) {
+        bound = 0.f;
+        for (int64_t e = 0; e < d; ++e)             // threads read consecutive pages
+          bound += s[e] * fe::to_f(most[e * n + a]) + s[d + e] * fe::to_f(least[e * n + a]);
+      }
+      key = ~(((uint64_t)orderable(bound) << 32) | (uint32_t)~(uint32_t)a);
+    }
+    keys[a] = key;
+  }
+  bitonic_sort(keys, n2);
+  for (int64_t c = threadIdx.x; c < p.pages; c += blockDim.x)
+    p.out[r * p.pages + c] = (int64_t)(~(uint32_t)(~keys[c]));
+}
+
 }  // namespace
 
 extern "C" const char* fe_compact_prompt(const FeCompactPrompt* p, cudaStream_t stream) {
@@ -272,5 +318,17 @@ extern "C" const char* fe_buzz_pass(const FeBuzzPass* p, cudaStream_t stream) {
   const size_t bytes = p->n * (3 * sizeof(int32_t) + 2);
   FE_DISPATCH_DTYPE(p->dtype, T,
       buzz_pass_kernel<T><<<(unsigned)p->rows, kBuzzThreads, bytes, stream>>>(*p));
+  return fe::launch_status();
+}
+
+extern "C" const char* fe_page_select(const FePageSelect* p, cudaStream_t stream) {
+  if (p->n_pages > FE_PAGE_MAX_PAGES)
+    return "flexevict: page choice supports at most " FE_STR(FE_PAGE_MAX_PAGES) " pages";
+  if (p->dim > FE_PAGE_MAX_DIM) return "flexevict: page choice: head_dim too large";
+  if (p->pages > p->n_pages) return "flexevict: more pages asked for than there are";
+  if (p->rows == 0 || p->pages == 0) return nullptr;
+  const size_t bytes = pow2_at_least(p->n_pages) * sizeof(uint64_t) + 2 * p->dim * sizeof(float);
+  FE_DISPATCH_DTYPE(p->dtype, T,
+      page_select_kernel<T><<<(unsigned)p->rows, kPageThreads, bytes, stream>>>(*p));
   return fe::launch_status();
 }

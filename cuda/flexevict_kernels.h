@@ -24,6 +24,8 @@ enum FeDtype { FE_F32 = 0, FE_F16 = 1, FE_BF16 = 2 };
 #define FE_LSH_MAX_DIM (FE_SHARED_BYTES / 4) // SimHash: head_dim (an fp32 row in shared memory)
 #define FE_CASCADE_MAX_LEVELS 16             // Cascade: sub-caches
 #define FE_CASCADE_MAX_KV_HEADS 128          // Cascade: kv heads per sequence
+#define FE_PAGE_MAX_PAGES 4096               // recall's page choice: pages per row
+#define FE_PAGE_MAX_DIM 256                  // recall's page choice: head_dim
 #define FE_STR_(x) #x
 #define FE_STR(x) FE_STR_(x)                 // a limit's digits, for an error message
 
@@ -163,6 +165,21 @@ struct FeCascadeUpdate {
   int tie_replace, eager_fill;
 };
 
+// Recall (Quest's page bound) per buffer row: the `pages` pages of highest bound
+// sum_e s+_e max_e + s-_e min_e in fp32, s+ and s- the positive and negative parts of the row's
+// query heads summed (rounded to the dtype), among the candidates: a page whose first token is
+// below limit[row] and that holds a token past the first `sinks`; ties and too few candidates
+// go to the lower page. q (rows, group, dim) and summary (rows, 2, dim, n_pages) [max; min]
+// contiguous in one dtype; limit (rows,) int64; out (rows, pages) int64.
+struct FePageSelect {
+  int dtype;
+  int64_t rows, group, dim, n_pages, page, sinks, pages;
+  const void* q;
+  const void* summary;
+  const int64_t* limit;
+  int64_t* out;
+};
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -176,6 +193,7 @@ const char* fe_select_commit(const FeSelectCommit* p, cudaStream_t stream);
 const char* fe_compact_prompt(const FeCompactPrompt* p, cudaStream_t stream);
 const char* fe_buzz_pass(const FeBuzzPass* p, cudaStream_t stream);
 const char* fe_cascade_update(const FeCascadeUpdate* p, cudaStream_t stream);
+const char* fe_page_select(const FePageSelect* p, cudaStream_t stream);
 
 // SimHash codes: x (n, dim) with row stride x_row; proj (bits, dim) fp32 contiguous;
 // codes (n, ceil(bits / 32)) int64, bit j in bit j % 32 of word j / 32.

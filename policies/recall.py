@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flexevict.core.kernels import put_rows, take_rows
+from flexevict.core.kernels import page_select, put_rows, take_rows
 from flexevict.core.kv import KV, Field, Layout, gather_prompt, left_aligned
 from flexevict.errors import UserError, setting
 from flexevict.policies.base import Policy
@@ -207,24 +207,8 @@ class Recall(Policy):
         the group); candidates hold a token past the sinks and older than the window. Stable
         order: ties (and too few candidates) go to the lower page. -> (rows, pages) int64."""
         lay = buf.layout
-        summary = buf.policy_state["summary"]
-        plus = q.clamp(min=0)
-        signed = torch.cat([plus, q - plus], -1).sum(1, keepdim=True)     # (rows, 1, 2d)
-        bound = torch.bmm(signed.to(summary.dtype), summary.flatten(1, 2))[:, 0]   # (rows, P)
-        starts, past_sinks = self._page_starts(buf)
-        candidate = (starts < (at - lay.ring).unsqueeze(1)) & past_sinks
-        bound = torch.where(candidate, bound.float(), float("-inf"))
-        return torch.sort(bound, dim=1, descending=True, stable=True).indices[:, :lay.pages]
-
-    def _page_starts(self, buf):
-        """(first token of each page (P,), whether a page holds a token past the sinks (P,)):
-        constants of the layout, made once per buffer family."""
-        lay = buf.layout
-
-        def make(device):
-            starts = torch.arange(lay.summaries, device=device) * lay.page
-            return starts, starts + lay.page > lay.sinks
-        return buf.constant(("recall_pages", lay.summaries, lay.page, lay.sinks), make)
+        return page_select(q, buf.policy_state["summary"], at - lay.ring, lay.page,
+                           lay.sinks, lay.pages)
 
     def _recall(self, buf, top, at) -> None:
         """Gather the pages `top` (rows, pages) from the history into the recalled region

@@ -134,7 +134,8 @@ def test_header_limits_are_the_ones_the_kernels_were_written_for():
     """The parse above reads what the header says (no nvcc needed)."""
     limits = header_limits()
     assert limits["decode_max_dim"] == 256 and limits["shared_bytes"] == 48 * 1024
-    assert limits["lsh_max_dim"] == 48 * 1024 // 4 and len(limits) == 11
+    assert limits["lsh_max_dim"] == 48 * 1024 // 4 and len(limits) == 13
+    assert limits["page_max_pages"] == 4096 and limits["page_max_dim"] == 256
 
 
 class _FakeExtension:

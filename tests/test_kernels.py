@@ -338,6 +338,35 @@ def test_row_copies_reference():
     assert table[1:5].equal(torch.arange(2., 10.).view(4, 2))
 
 
+def random_pages(rows, g, d, n_pages, dtype, device, seed):
+    """q (rows, g, d), a page summary (rows, 2, d, P) whose max is above its min, limits."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, g, d, generator=gen)
+    low = torch.randn(rows, d, n_pages, generator=gen)
+    summary = torch.stack([low + torch.rand(rows, d, n_pages, generator=gen), low], 1)
+    limit = torch.randint(0, 16 * n_pages + 8, (rows,), generator=gen)
+    return q.to(device, dtype), summary.to(device, dtype), limit.to(device)
+
+
+def test_page_select_reference_vs_python():
+    """Recall's page choice: per row, by Quest's bound summed over the group, highest first,
+    ties to the lower page, among pages starting below the row's limit and past the sinks."""
+    page, sinks, pages = 16, 20, 5
+    q, summary, limit = random_pages(4, 3, 8, 12, torch.float32, "cpu", 0)
+    limit[0] = 0                                              # no candidate: pages 0.. in order
+    summary[1, :, :, 7] = summary[1, :, :, 3]                 # a tie: 3 before 7
+    got = kernels.page_select(q, summary, limit, page, sinks, pages)
+    for r in range(4):
+        plus, minus = q[r].clamp(min=0).sum(0), q[r].clamp(max=0).sum(0)
+        bounds = []
+        for p in range(12):
+            ok = p * page < limit[r] and p * page + page > sinks
+            bound = float(plus @ summary[r, 0, :, p] + minus @ summary[r, 1, :, p])
+            bounds.append((-(bound if ok else float("-inf")), p))
+        assert got[r].tolist() == [p for _, p in sorted(bounds)[:pages]], r
+    assert got[0].tolist() == [0, 1, 2, 3, 4]
+
+
 def test_quantize_hand_example():
     x = torch.tensor([[0.0, 1.0, 1.5, 3.0]])
     p = kernels.quantize_4bit(x, group=4)
@@ -810,6 +839,22 @@ def test_row_copies_with_a_pinned_table_never_sync(built):
         kernels.put_rows(table, torch.randperm(4096, device="cuda")[:100], rows[:100])
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("rows,g,d,n_pages,page,sinks,pages",
+                         [(1, 1, 8, 1, 16, 4, 1), (5, 3, 64, 37, 16, 4, 8),
+                          (24, 4, 128, 2048, 16, 4, 72), (3, 2, 256, 4096, 8, 0, 100),
+                          (2, 1, 64, 9, 16, 100, 9)])
+def test_page_select_kernel(built, reference_only, dtype, rows, g, d, n_pages, page, sinks,
+                            pages):
+    q, summary, limit = random_pages(rows, g, d, n_pages, dtype, "cuda", n_pages + rows)
+    poison()
+    got = kernels.page_select(q, summary, limit, page, sinks, pages)
+    with reference_only():
+        want = kernels.page_select(q, summary, limit, page, sinks, pages)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
 
 
 # ---------------------------------------------------------------- end to end

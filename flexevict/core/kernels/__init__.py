@@ -27,6 +27,7 @@ __all__ = [  # the dispatch functions (kernel or reference) ...
            "evict_commit", "ring_commit",
            "hash_codes", "hash_victims", "compact_prompt", "buzz_pass", "cascade_update",
            "quantize_4bit", "dequantize_4bit", "Packed4bit", "take_rows", "put_rows",
+           "page_select",
            # ... and reference helpers the policies share (no kernel of their own)
            "WORD_BITS", "CascadeRule", "SubCaches", "accumulate_scores", "at_slots", "buzz_select",
            "candidate_slots", "compaction", "hamming", "kv_head_probs", "lowest", "popcount",
@@ -286,6 +287,32 @@ def compact_prompt(buf, k, v, pos, valid, scores, rank) -> None:
                           valid.contiguous(), as_f32(scores), as_f32(rank), buf, ext.stream(k))
     buf.used = buf.capacity
     buf.touch_all()
+
+
+# ------------------------------------------------------------------------------ recall
+
+def page_select(q, summary, limit, page: int, sinks: int, pages: int) -> torch.Tensor:
+    """Recall's pages for this step (Quest's bound, Tang et al. 2024, Sec. 3): per row, the
+    `pages` pages of highest bound sum_e s+_e max_e + s-_e min_e (fp32; s+ and s- the positive
+    and negative parts of the row's query heads, summed in q's dtype) among the candidates, a
+    page whose first token is below limit[row] and that holds a token past the first `sinks`;
+    ties and too few candidates go to the lower page. q (rows, g, d); summary (rows, 2, d, P)
+    [max; min] in q's dtype; limit (rows,) int64 -> (rows, pages) int64. One launch on a GPU
+    (the bound, the mask and the top-k)."""
+    op = "page_select"
+    _expect(op, "q", q, (None, None, None), FLOATS)
+    rows, _, d = q.shape
+    _expect(op, "summary", summary, (rows, 2, d, None), q.dtype, q.device)
+    _expect(op, "limit", limit, (rows,), torch.int64, q.device)
+    n_pages = summary.shape[-1]
+    if page < 1 or sinks < 0 or not 0 <= pages <= n_pages:
+        _fail(op, f"needs page >= 1, sinks >= 0 and 0 <= pages <= {n_pages} (got page={page}, "
+                  f"sinks={sinks}, pages={pages})")
+    module = ext.module_for(q)
+    if module is None or not ext.within(module, page_max_pages=n_pages, page_max_dim=d):
+        return reference.page_select(q, summary, limit, page, sinks, pages)
+    return module.page_select(q.contiguous(), summary.contiguous(), limit.contiguous(), page,
+                              sinks, pages, ext.stream(q))
 
 
 # ------------------------------------------------------------------------------ row copies

@@ -91,7 +91,8 @@ def _current(module):
 def limits(module) -> dict[str, int]:
     """What the kernels of `module` (the loaded extension) accept, by name: shared_bytes,
     decode_max_dim, prefill_max_dim, prefill_max_batch_heads, compact_max_seq, buzz_max_slots,
-    buzz_max_dim, lsh_max_bits, lsh_max_dim, cascade_max_levels, cascade_max_kv_heads."""
+    buzz_max_dim, lsh_max_bits, lsh_max_dim, cascade_max_levels, cascade_max_kv_heads,
+    page_max_pages, page_max_dim."""
     return dict(module.limits())
 
 

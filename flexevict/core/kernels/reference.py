@@ -226,6 +226,27 @@ def at_slots(t: torch.Tensor, slots: torch.Tensor | int) -> torch.Tensor:
     return t[:slots] if isinstance(slots, int) else t.index_select(0, slots)
 
 
+def page_select(q, summary, limit, page: int, sinks: int, pages: int) -> torch.Tensor:
+    """Recall's pages by Quest's bound (see `kernels.page_select`): one small batched product
+    of [s+, s-] with the summaries, the candidates' mask, a stable sort.
+    q (rows, g, d); summary (rows, 2, d, P); limit (rows,) -> (rows, pages) int64."""
+    plus = q.clamp(min=0)
+    signed = torch.cat([plus, q - plus], -1).sum(1, keepdim=True)          # (rows, 1, 2d)
+    bound = torch.bmm(signed.float(), summary.flatten(1, 2).float())[:, 0]  # (rows, P)
+    firsts, past_sinks = _page_firsts(summary.shape[-1], page, sinks, str(q.device))
+    candidate = (firsts < limit.unsqueeze(1)) & past_sinks
+    bound = torch.where(candidate, bound, float("-inf"))
+    return torch.sort(bound, dim=1, descending=True, stable=True).indices[:, :pages]
+
+
+@functools.lru_cache(maxsize=64)
+def _page_firsts(n_pages: int, page: int, sinks: int, device: str):
+    """(first token of each page (P,), whether a page holds a token past the sinks (P,)),
+    made once per layout and device."""
+    firsts = torch.arange(n_pages, device=device) * page
+    return firsts, firsts + page > sinks
+
+
 def take_rows(table: torch.Tensor, index: torch.Tensor, device) -> torch.Tensor:
     """table[index] on `device`: table (N, ...), index (n,) int64 -> (n, ...). The gather runs
     where the table lives (the index goes there first: from a GPU to a CPU table, a host
