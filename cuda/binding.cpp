@@ -573,6 +573,35 @@ Tensor page_select(const Tensor& q, const Tensor& summary, const Tensor& limit, 
   return out;
 }
 
+// HashEvict's prompt replay over a chunk of steps (FeHashReplay): keys (steps, rows, n) fp32,
+// pool (rows, members + 1) int64 changed in place, live (rows,) int64.
+void hash_replay(const Tensor& keys, Tensor& pool, const Tensor& live, int64_t first,
+                 int64_t ring, int64_t all_live, int64_t stream) {
+  check_device(keys, "keys", keys);
+  check_dtype(keys, "keys", at::kFloat);
+  check_contiguous(keys, "keys");
+  TORCH_CHECK_VALUE(keys.dim() == 3, "flexevict._C: keys must be (steps, rows, tokens) (got ",
+                    keys.sizes(), ")");
+  const int64_t rows = keys.size(1);
+  check_device(pool, "pool", keys);
+  check_dtype(pool, "pool", at::kLong);
+  check_contiguous(pool, "pool");
+  TORCH_CHECK_VALUE(pool.dim() == 2 && pool.size(0) == rows && pool.size(1) >= 2,
+                    "flexevict._C: pool must be (", rows, ", members + 1) (got ", pool.sizes(),
+                    ")");
+  check_device(live, "live", keys);
+  check_dtype(live, "live", at::kLong);
+  check_shape(live, "live", {rows});
+  check_contiguous(live, "live");
+  FeHashReplay p{};
+  p.keys = keys.data_ptr<float>(), p.pool = pool.data_ptr<int64_t>();
+  p.live = live.data_ptr<int64_t>();
+  p.steps = keys.size(0), p.rows = rows, p.n = keys.size(2), p.members = pool.size(1) - 1;
+  p.first = first, p.ring = ring, p.all_live = all_live;
+  c10::DeviceGuard guard(keys.device());
+  raise_if(fe_hash_replay(&p, as_stream(stream)), "hash_replay");
+}
+
 // The kernels' limits (flexevict_kernels.h) by name: Python reads them from here, so that the
 // header stays the only place they are written down.
 pybind11::dict limits() {
@@ -606,6 +635,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("buzz_pass", &buzz_pass);
   m.def("cascade_update", &cascade_update);
   m.def("page_select", &page_select);
+  m.def("hash_replay", &hash_replay);
   m.def("quantize_4bit", &quantize_4bit);
   m.def("copy_rows", &copy_rows);
   m.def("dequantize_4bit", &dequantize_4bit);

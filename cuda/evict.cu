@@ -165,6 +165,49 @@ __global__ void lsh_hash_kernel(const T* x, int64_t dim, int64_t x_row, const fl
 
 // ------------------------------------------------------------------------------ Cascade
 
+// ------------------------------------------------------------------------------ HashEvict's replay
+
+constexpr int kReplayThreads = 256;
+
+// One block per row, the steps in order (each step's pool is the last one's after its
+// eviction): threads over the members find the largest key (ties -> the first member), then one
+// thread decides and writes.
+__global__ void __launch_bounds__(kReplayThreads) hash_replay_kernel(FeHashReplay p) {
+  __shared__ float warp_best[kReplayThreads / kWarp];
+  __shared__ int32_t warp_member[kReplayThreads / kWarp];
+  const int64_t r = blockIdx.x;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  int64_t* pool = p.pool + r * (p.members + 1);
+  for (int64_t i = 0; i < p.steps; ++i) {
+    const int64_t t = p.first + i, a = t - p.ring;
+    const float* kt = p.keys + (i * p.rows + r) * p.n;
+    float best = -INFINITY;
+    int32_t member = INT_MAX;
+    for (int64_t m = threadIdx.x; m < p.members; m += blockDim.x) {
+      const int64_t x = pool[m];
+      const float key = x < 0 ? kt[0] + 1.f : kt[x];
+      if (key > best) best = key, member = (int32_t)m;      // m rises: the first maximum
+    }
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o >>= 1) {
+      const float b = __shfl_xor_sync(fe::kFull, best, o);
+      const int32_t m = __shfl_xor_sync(fe::kFull, member, o);
+      if (b > best || (b == best && m < member)) best = b, member = m;
+    }
+    if (lane == 0) warp_best[warp] = best, warp_member[warp] = member;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < (int)(blockDim.x / kWarp); ++w)
+        if (warp_best[w] > best || (warp_best[w] == best && warp_member[w] < member))
+          best = warp_best[w], member = warp_member[w];
+      bool evict = best > kt[a];                            // else the arrival goes
+      if (t >= p.all_live) evict = evict && t < p.live[r];
+      pool[evict ? member : p.members] = a;
+    }
+    __syncthreads();                                        // the pool before the next step
+  }
+}
+
 constexpr int kCascadeThreads = 128;
 constexpr int kMaxLevels = FE_CASCADE_MAX_LEVELS;
 constexpr int kMaxKvHeads = FE_CASCADE_MAX_KV_HEADS;
@@ -351,5 +394,14 @@ extern "C" const char* fe_cascade_update(const FeCascadeUpdate* p, cudaStream_t 
   const int64_t chunks = (ema_slots + kCascadeThreads - 1) / kCascadeThreads;
   const dim3 grid((unsigned)(p->rows / p->kv_heads), (unsigned)(chunks > 0 ? chunks : 1));
   FE_DISPATCH_DTYPE(p->dtype, T, cascade_kernel<T><<<grid, kCascadeThreads, 0, stream>>>(*p));
+  return fe::launch_status();
+}
+
+extern "C" const char* fe_hash_replay(const FeHashReplay* p, cudaStream_t stream) {
+  if (p->members < 1) return "flexevict: HashEvict's replay needs a pool";
+  if (p->first < p->ring || p->first + p->steps - 1 - p->ring >= p->n)
+    return "flexevict: HashEvict's replay: the arriving tokens must lie within the keys";
+  if (p->rows == 0 || p->steps == 0) return nullptr;
+  hash_replay_kernel<<<(unsigned)p->rows, kReplayThreads, 0, stream>>>(*p);
   return fe::launch_status();
 }

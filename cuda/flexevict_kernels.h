@@ -180,6 +180,20 @@ struct FePageSelect {
   int64_t* out;
 };
 
+// HashEvict's prompt replay over one chunk of steps t = first .. first + steps - 1 (Algorithm 1
+// on token indices), per buffer row: the pool member (pool[:members]; -1 empty, competing as
+// token 0 plus one) or the token leaving the ring, a = t - ring, with the largest key goes, and
+// a takes its place (a row evicting its arrival writes the spare entry pool[members]); a row
+// takes part while t < live[row] (every row below all_live). keys (steps, rows, n) fp32
+// contiguous, keys[i][row][x] = token x's key at step first + i; pool (rows, members + 1)
+// int64, changed in place; live (rows,) int64.
+struct FeHashReplay {
+  const float* keys;
+  int64_t* pool;
+  const int64_t* live;
+  int64_t steps, rows, n, members, first, ring, all_live;
+};
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -194,6 +208,7 @@ const char* fe_compact_prompt(const FeCompactPrompt* p, cudaStream_t stream);
 const char* fe_buzz_pass(const FeBuzzPass* p, cudaStream_t stream);
 const char* fe_cascade_update(const FeCascadeUpdate* p, cudaStream_t stream);
 const char* fe_page_select(const FePageSelect* p, cudaStream_t stream);
+const char* fe_hash_replay(const FeHashReplay* p, cudaStream_t stream);
 
 // SimHash codes: x (n, dim) with row stride x_row; proj (bits, dim) fp32 contiguous;
 // codes (n, ceil(bits / 32)) int64, bit j in bit j % 32 of word j / 32.

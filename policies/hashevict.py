@@ -40,7 +40,7 @@ import torch
 
 from flexevict.core import kernels
 from flexevict.errors import UserError, setting
-from flexevict.core.kernels import WORD_BITS, hash_codes
+from flexevict.core.kernels import WORD_BITS, hash_codes, hash_replay
 from flexevict.core.kv import Field, KVBuffer, gather_prompt, left_aligned
 
 from flexevict.policies.registry import register
@@ -48,6 +48,7 @@ from flexevict.policies.base import RingPolicy
 
 STATE_BITS = 24         # fp32 holds every integer below 2**24 exactly
 KEY_CHUNK_VALUES = 1 << 20   # replay keys made at once: steps x rows x S fp32, 4 MiB (in cache)
+KEY_CHUNK_VALUES_GPU = 1 << 26   # on a GPU, 256 MiB: tens of steps per GEMM and kernel launch
 
 
 # ------------------------------------------------------------------------------ hashing
@@ -203,32 +204,22 @@ class HashEvict(RingPolicy):
         length. ks (S, rows, bits): the keys' codes as +-1; qs (S, rows, bits): the queries',
         summed over the group. Every distance comes from one batched GEMM per chunk of steps
         (`_replay_keys`); what stays a loop is Algorithm 1's own dependency, each step's pool
-        being the last one's after its eviction: a gather, a max and a scatter per step.
-        -> the final pool (P, rows)."""
+        being the last one's after its eviction (`kernels.hash_replay`: on a GPU one launch
+        per chunk). -> the final pool (P, rows)."""
         s, rows = ks.shape[:2]
         npool = pool.shape[0]
         # (rows, P + 1): a row that evicts its arrival writes it to the spare last column
         pool = torch.cat([pool.t(), pool.new_zeros(rows, 1)], dim=1)
-        members, spare = pool[:, :npool], torch.full((rows, 1), npool, device=pool.device)
-        empty = bool((members < 0).any())                # prefill only: one host read
+        empty = bool((pool[:, :npool] < 0).any())        # prefill only: one host read
         all_live = int(n_real.min())
-        live = n_real.unsqueeze(1)
         ks, qs = ks.permute(1, 2, 0), qs.transpose(0, 1)          # (rows, bits, S), (rows, S, bits)
-        span = max(1, KEY_CHUNK_VALUES // (rows * s))
+        chunk = KEY_CHUNK_VALUES_GPU if ks.is_cuda else KEY_CHUNK_VALUES
+        span = max(1, chunk // (rows * s))
         for c0 in range(capacity, s, span):
             c1 = min(c0 + span, s)
             keys = _replay_keys(ks[..., :c1 - ring], qs[:, c0:c1])   # (c, rows, c1 - ring)
-            for t in range(c0, c1):
-                kt, a = keys[t - c0], t - ring
-                cand = kt.gather(1, members.clamp(min=0) if empty else members)
-                if empty:
-                    cand += members < 0
-                best, slot = cand.max(dim=1, keepdim=True)
-                evict = best > kt[:, a:a + 1]            # else the arrival goes
-                if t >= all_live:
-                    evict &= t < live
-                pool.scatter_(1, torch.where(evict, slot, spare), a)
-        return members.t()
+            hash_replay(keys, pool, n_real, c0, ring, all_live, empty)
+        return pool[:, :npool].t()
 
     def _store(self, buf, k, v, pos, valid, kh, pool, n_real):
         """Lay the kept tokens out: sinks, the pool in position order, then the last `ring`

@@ -857,6 +857,27 @@ def test_page_select_kernel(built, reference_only, dtype, rows, g, d, n_pages, p
     assert got.dtype == torch.int64 and torch.equal(got, want)
 
 
+@gpu
+@pytest.mark.parametrize("rows,members,n,steps,empty", [(1, 1, 8, 4, False),
+                                                        (7, 30, 200, 60, True),
+                                                        (768, 405, 1700, 42, True)])
+def test_hash_replay_kernel(built, reference_only, rows, members, n, steps, empty):
+    """HashEvict's prompt replay, one chunk: the same pool as the reference's loop, as a set
+    (which of two equal candidates a row replaces, two empty members say, is not specified)."""
+    gen, ring = cuda_gen(rows + members), 10
+    first = n - steps + ring                                  # the last arrival is token n - 1
+    keys = torch.rand(steps, rows, n, device="cuda", generator=gen)
+    pool = torch.randint(0, n - steps, (rows, members + 1), device="cuda", generator=gen)
+    if empty:
+        pool[:, :members][torch.rand(rows, members, device="cuda", generator=gen) < 0.2] = -1
+    live = torch.randint(first, first + steps + 1, (rows,), device="cuda", generator=gen)
+    got, want = pool.clone(), pool.clone()
+    kernels.hash_replay(keys, got, live, first, ring, int(live.min()), empty)
+    with reference_only():
+        kernels.hash_replay(keys, want, live, first, ring, int(live.min()), empty)
+    assert torch.equal(got[:, :members].sort(1).values, want[:, :members].sort(1).values)
+
+
 # ---------------------------------------------------------------- end to end
 
 E2E = ModelConfig(arch="llama", name="t", vocab_size=128, hidden_size=128, num_layers=2,

@@ -27,7 +27,7 @@ __all__ = [  # the dispatch functions (kernel or reference) ...
            "evict_commit", "ring_commit",
            "hash_codes", "hash_victims", "compact_prompt", "buzz_pass", "cascade_update",
            "quantize_4bit", "dequantize_4bit", "Packed4bit", "take_rows", "put_rows",
-           "page_select",
+           "page_select", "hash_replay",
            # ... and reference helpers the policies share (no kernel of their own)
            "WORD_BITS", "CascadeRule", "SubCaches", "accumulate_scores", "at_slots", "buzz_select",
            "candidate_slots", "compaction", "hamming", "kv_head_probs", "lowest", "popcount",
@@ -254,6 +254,31 @@ def hash_victims(buf, query_codes, protect: int, codes=None, bits: int = WORD_BI
         return reference.hash_victims(buf, query_codes, protect, codes, bits)
     return module.hash_select(buf, buf.ring_start, buf.cursor, protect, query_codes.contiguous(),
                               None if codes is None else codes.contiguous(), ext.stream(buf.k))
+
+
+def hash_replay(keys, pool, live, first: int, ring: int, all_live: int,
+                empty: bool = True) -> None:
+    """HashEvict's prompt replay (Algorithm 1 on token indices) over one chunk of steps
+    t = first .. first + c - 1, per row: the pool member (pool[:, :P]; -1 empty, competing as
+    token 0 plus one) or the token leaving the ring, a = t - ring, with the largest key goes,
+    and a takes its place (a row evicting its arrival writes the spare column P); a row takes
+    part while t < live[row] (every row below all_live). keys (c, rows, n) fp32, keys[i, r, x]
+    token x's key at step first + i; pool (rows, P + 1) int64, changed in place; live (rows,)
+    int64; empty: a member may be -1. One launch on a GPU, the steps in order in each row's
+    block; the reference's loop is a gather, a max and a scatter per step."""
+    op = "hash_replay"
+    _expect(op, "keys", keys, (None, None, None), torch.float32)
+    c, rows, n = keys.shape
+    _expect(op, "pool", pool, (rows, None), torch.int64, keys.device)
+    _expect(op, "live", live, (rows,), torch.int64, keys.device)
+    if pool.shape[1] < 2 or first < ring or first + c - 1 - ring >= n:
+        _fail(op, f"needs a pool and arrivals within the keys (pool {tuple(pool.shape)}, steps "
+                  f"{first}..{first + c - 1}, ring {ring}, {n} tokens)")
+    module = ext.module_for(keys)
+    if module is None or not pool.is_contiguous():
+        return reference.hash_replay(keys, pool, live, first, ring, all_live, empty)
+    module.hash_replay(keys.contiguous(), pool, live.contiguous(), first, ring, all_live,
+                       ext.stream(keys))
 
 
 # ------------------------------------------------------------------------------ compaction

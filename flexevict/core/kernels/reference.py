@@ -351,6 +351,28 @@ def hash_victims(buf: KVBuffer, query_codes: torch.Tensor, protect: int,
     return victims
 
 
+def hash_replay(keys, pool, live, first: int, ring: int, all_live: int,
+                empty: bool = True) -> None:
+    """HashEvict's prompt replay over one chunk of steps t = first .. first + c - 1 (see
+    `kernels.hash_replay`): per step a gather, a max and a scatter. keys (c, rows, n) fp32;
+    pool (rows, P + 1) int64, changed in place; live (rows,) int64; empty: a member may be -1
+    (else the clamp and the +1 are skipped)."""
+    npool = pool.shape[1] - 1
+    members = pool[:, :npool]
+    spare = torch.full((pool.shape[0], 1), npool, device=pool.device)
+    live = live.unsqueeze(1)
+    for i in range(keys.shape[0]):
+        t, kt = first + i, keys[i]
+        cand = kt.gather(1, members.clamp(min=0) if empty else members)
+        if empty:                        # a -1 competes as token 0 plus one
+            cand += members < 0
+        best, slot = cand.max(dim=1, keepdim=True)
+        evict = best > kt[:, t - ring:t - ring + 1]      # else the arrival goes
+        if t >= all_live:
+            evict &= t < live
+        pool.scatter_(1, torch.where(evict, slot, spare), t - ring)
+
+
 # ------------------------------------------------------------------------------ prompt top-k
 
 def compact_prompt(buf: KVBuffer, k, v, pos, valid, scores, rank):
