@@ -48,7 +48,7 @@ from flexevict.policies.base import RingPolicy
 
 STATE_BITS = 24         # fp32 holds every integer below 2**24 exactly
 KEY_CHUNK_VALUES = 1 << 20   # replay keys made at once: steps x rows x S fp32, 4 MiB (in cache)
-KEY_CHUNK_VALUES_GPU = 1 << 26   # on a GPU, 256 MiB: tens of steps per GEMM and kernel launch
+KEY_CHUNK_VALUES_GPU = 1 << 25   # on a GPU, 128 MiB (twice, transposed): tens of steps a launch
 
 
 # ------------------------------------------------------------------------------ hashing
