@@ -515,6 +515,17 @@ def test_other_work_is_counted_in_cores():
     assert 0.0 <= busy <= os.cpu_count() + 0.5
 
 
+def test_other_work_is_counted_on_this_process_cpus_only():
+    """On a host larger than this process's CPUs, work on the others does not compete."""
+    from flexevict.planner import calibration
+    stat = ("cpu  30 0 10 160 0 0 0 0 0 0\n"
+            "cpu0 10 0 0 40 0 0 0 0 0 0\ncpu1 20 0 10 20 0 0 0 0 0 0\n"
+            "cpu2 0 0 0 50 0 0 0 0 0 0\ncpu3 0 0 0 50 0 0 0 0 0 0\nintr 5\n")
+    assert calibration.cpu_ticks(stat, {2, 3}) == (100, 100, 2)
+    assert calibration.cpu_ticks(stat, {0, 1}) == (60, 100, 2)
+    assert calibration.cpu_ticks(stat, {7}) == (160, 200, 4)          # no line: every CPU
+
+
 def test_calibrate_summarises_in_the_devices_default_dtype(monkeypatch, capsys):
     """Without --dtype, `python -m flexevict.calibrate` prints the rates of the dtype a run
     would use there (core.config.default_dtype), as a torch dtype."""

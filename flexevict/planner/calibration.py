@@ -443,23 +443,30 @@ BUSY_CORES = 0.5
 
 
 def other_work_cores(seconds: float = 0.25) -> float:
-    """How many cores other processes keep busy, measured over `seconds` while this one
-    sleeps: the share of CPU time the kernel counts as not idle (/proc/stat) times the CPUs it
-    counts; 0 where there is no /proc."""
-    def ticks():
-        with open("/proc/stat") as f:
-            lines = f.read().splitlines()
-        fields = [int(x) for x in lines[0].split()[1:9]]     # user .. steal (guest is in user)
-        cpus = sum(1 for ln in lines if re.match(r"cpu\d", ln))
-        return fields[3] + fields[4], sum(fields), cpus     # idle + iowait, all, CPUs
+    """How many of this process's cores other work keeps busy, measured over `seconds` while
+    this one sleeps: the CPU time /proc/stat counts as not idle on the CPUs this process may
+    run on (work elsewhere on a larger host does not compete); 0 where there is no /proc."""
+    ours = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     try:
-        idle0, all0, cpus = ticks()
+        with open("/proc/stat") as f:
+            idle0, all0, cpus = cpu_ticks(f.read(), ours)
         time.sleep(seconds)
-        idle1, all1, _ = ticks()
+        with open("/proc/stat") as f:
+            idle1, all1, _ = cpu_ticks(f.read(), ours)
     except (OSError, ValueError, IndexError):
         return 0.0
     total = all1 - all0
     return cpus * (total - (idle1 - idle0)) / total if total > 0 else 0.0
+
+
+def cpu_ticks(stat: str, cpus: set[int]) -> tuple[int, int, int]:
+    """(idle + iowait ticks, all ticks, CPUs counted) of /proc/stat's text over the CPUs
+    `cpus`, or over every CPU when it has no line for any of them. The fields counted are user
+    .. steal (guest time is inside user)."""
+    lines = {p[0]: [int(x) for x in p[1:9]] for p in map(str.split, stat.splitlines())
+             if p and re.fullmatch(r"cpu\d+", p[0])}
+    rows = [lines[f"cpu{c}"] for c in sorted(cpus) if f"cpu{c}" in lines] or list(lines.values())
+    return sum(r[3] + r[4] for r in rows), sum(sum(r) for r in rows), len(rows)
 
 
 def measure_parallel(quick: bool) -> float:
