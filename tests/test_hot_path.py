@@ -183,11 +183,11 @@ def guard_decode(monkeypatch, guard):
         seen["evicting"] += slot == buf.scratch or buf.used <= used   # a commit or a BUZZ pass
         return out
 
-    def step_input(self, pos, valid):
+    def step_input(self, pos, valid, pos_end=None):
         if valid is not None:                               # prefill may sync (documented)
-            return real_input(self, pos, valid)
+            return real_input(self, pos, valid, pos_end)
         with guard():
-            return real_input(self, pos, valid)
+            return real_input(self, pos, valid, pos_end)
 
     monkeypatch.setattr(Transformer, "_decode_attention", attention)
     monkeypatch.setattr(Transformer, "step_input", step_input)
@@ -500,11 +500,34 @@ def test_rank_rope_table_equals_rotating_each_rank(dtype):
     d = cfg.dim_head
     for n in (5, 37, 300):
         table = model.rank_rope(n, "cpu", dtype)
-        assert table.shape[0] >= n and table.shape[1] == 2 * d
+        assert table.shape[0] >= n and table.shape[1] == d             # the halves of each
         rank = torch.randint(0, n, (n, 6), generator=g)
         want_cos, want_sin = fmodel.rope_cos_sin(inv_freq, rank, dtype)
-        assert torch.equal(table[rank, :d], want_cos) and torch.equal(table[rank, d:], want_sin)
+        h = d // 2
+        assert torch.equal(want_cos[..., :h], want_cos[..., h:])
+        assert torch.equal(table[rank, :h], want_cos[..., :h])
+        assert torch.equal(table[rank, h:], want_sin[..., :h])
     assert model.rank_rope(300, "cpu", dtype).shape[0] == 512         # kept, not rebuilt
+
+
+@pytest.mark.parametrize("n,rows", [(0, 3), (1, 2), (40, 5), (460, 24)])
+def test_counted_ranks_equal_the_sorted_ranks(n, rows):
+    """In-cache ranks: the CPU's counting sort gives every valid slot the rank the GPU's stable
+    sort gives it (empty slots at -1, stale positions of invalid slots, rows with none valid),
+    and every slot a rank in [0, n) for the table lookup."""
+    g = torch.Generator().manual_seed(n)
+    pos = torch.stack([torch.randperm(3 * n + 1, generator=g)[:n] for _ in range(rows)], 1)
+    pos = pos.to(torch.int32)
+    valid = torch.rand(n, rows, generator=g) > 0.3
+    valid[:, 0] = False
+    pos[~valid & (torch.rand(n, rows, generator=g) > 0.5)] = -1
+    counted = fmodel._counted_ranks(pos, valid, 3 * n + 1)
+    by_sort = fmodel._sorted_ranks(pos, valid)
+    assert torch.equal(counted[valid], by_sort[valid])
+    assert counted.shape == (n, rows) and bool(((counted >= 0) & (counted < max(n, 1))).all())
+    for r in range(rows):                                # the definition, row by row
+        real = sorted(int(p) for p in pos[valid[:, r], r])
+        assert [real.index(int(p)) for p in pos[valid[:, r], r]] == counted[valid[:, r], r].tolist()
 
 
 def test_keys_rotated_to_their_rank_among_the_valid_slots():

@@ -273,7 +273,8 @@ class Engine:
         (B,)."""
         tokens, valid, pos = padded
         batches = self.placement.batch_rows(tokens.shape[0])
-        inputs = [self._step_input(pos[b], valid[b], limit) for b in batches]
+        width = tokens.shape[1]                 # step i's positions are below width + i
+        inputs = [self._step_input(pos[b], valid[b], limit, width) for b in batches]
         feed = [tokens[b] for b in batches]
         next_pos = valid.sum(dim=1)
         stats, emitted = RunStats(), []
@@ -281,10 +282,11 @@ class Engine:
         try:
             for i in range(steps):
                 t0 = time.perf_counter()
-                if i > 0:
-                    inputs = [self._step_input(next_pos[b] + (i - 1), None, limit)
-                              for b in batches]
                 graphed = i > 0 and run.graphs is not None and _all_full(run.cache)
+                if i > 0:        # a graph replays its capture at later steps: no host bound
+                    end = None if graphed else width + i
+                    inputs = [self._step_input(next_pos[b] + (i - 1), None, limit, end)
+                              for b in batches]
                 step = self._graph_step if graphed else self._step
                 feed = step(run, i, feed, inputs, consume)
                 emitted.append(torch.cat(feed))
@@ -304,8 +306,12 @@ class Engine:
         stats.traffic = self.traffic.as_dict()
         return stats, emitted
 
-    def _step_input(self, pos, valid, limit: int | None):
-        return self.model.step_input(pos if limit is None else pos % limit, valid)
+    def _step_input(self, pos, valid, limit: int | None, pos_end: int | None):
+        """The model's step input; pos_end bounds the positions (None: not given)."""
+        if limit is not None:
+            pos = pos % limit
+            pos_end = None if pos_end is None else min(pos_end, limit)
+        return self.model.step_input(pos, valid, pos_end)
 
     def _allocate_cache(self, layout: Layout, sizes: list[int], tiers: list[str],
                         policy: Policy) -> list[list[KVBuffer]]:
