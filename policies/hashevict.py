@@ -40,7 +40,7 @@ import torch
 
 from flexevict.core import kernels
 from flexevict.errors import UserError, setting
-from flexevict.core.kernels import WORD_BITS, hash_codes, hash_replay
+from flexevict.core.kernels import WORD_BITS, hash_bits, hash_codes, hash_replay, pack_codes
 from flexevict.core.kv import Field, KVBuffer, gather_prompt, left_aligned
 
 from flexevict.policies.registry import register
@@ -59,11 +59,9 @@ def projection(bits: int, head_dim: int, seed: int, layer: int = 0) -> torch.Ten
     return torch.randn(bits, head_dim, generator=gen)
 
 
-def _signs(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Hash codes (..., W) int64 as +-1 fp32 vectors (..., bits): bit j -> 1.0 if set."""
-    j = torch.arange(bits, device=codes.device)
-    set_ = (codes[..., j // WORD_BITS] >> (j % WORD_BITS)) & 1
-    return set_.to(torch.float32) * 2 - 1
+def _signs(bits: torch.Tensor) -> torch.Tensor:
+    """Hash bits (..., c) bool as +-1 fp32 vectors: bit j -> 1.0 if set."""
+    return bits.to(torch.float32).mul_(2).sub_(1)
 
 
 def _replay_keys(ks: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
@@ -172,7 +170,7 @@ class HashEvict(RingPolicy):
         order = left_aligned(valid)
         k, v, pos, valid, _ = gather_prompt(order, k, v, pos, valid)
         proj = self._proj(buf)
-        kh = hash_codes(k, proj)                                   # (S, rows, W)
+        kb = hash_bits(k, proj)                 # (S, rows, bits), packed for the kept only
         n_real = valid.sum(dim=0)                                  # (rows,)
         sinks, ring = self.sinks, lay.ring
         npool = lay.prefix - sinks
@@ -186,14 +184,14 @@ class HashEvict(RingPolicy):
             idx = sinks + j
             pool = torch.where(idx < mid_end, idx, -1)
             if s > buf.capacity:
-                ks = _signs(kh, self.hash_bits)                     # (S, rows, bits)
+                ks = _signs(kb)                                     # (S, rows, bits)
                 if self.hash_source == "query" and q is not None:
-                    qh = hash_codes(q.gather(0, order[:, :, None, None].expand_as(q)), proj)
-                    qs = _signs(qh, self.hash_bits).sum(dim=2)      # summed over the group
+                    qs = _signs(hash_bits(q, proj)).sum(dim=2)      # summed over the group
+                    qs = qs.gather(0, order.unsqueeze(-1).expand_as(qs))   # as k, left-aligned
                 else:
                     qs = ks
                 pool = self._replay(pool, ks, qs, n_real, buf.capacity, ring)
-        self._store(buf, k, v, pos, valid, kh, pool, n_real)
+        self._store(buf, k, v, pos, valid, kb, pool, n_real)
 
     def _replay(self, pool, ks, qs, n_real, capacity, ring):
         """Algorithm 1 over prompt tokens t = capacity .. S-1 on token indices only.
@@ -221,7 +219,7 @@ class HashEvict(RingPolicy):
             hash_replay(keys, pool, n_real, c0, ring, all_live, empty)
         return pool[:, :npool].t()
 
-    def _store(self, buf, k, v, pos, valid, kh, pool, n_real):
+    def _store(self, buf, k, v, pos, valid, kb, pool, n_real):
         """Lay the kept tokens out: sinks, the pool in position order, then the last `ring`
         tokens right-aligned in the ring (a short row's holes sit at the ring's oldest end, so
         the ring stays a FIFO of the most recent tokens). Holes are invalid."""
@@ -238,7 +236,8 @@ class HashEvict(RingPolicy):
         c = buf.capacity
         buf.valid[:c] &= ok
         buf.pos[:c].masked_fill_(~ok, -1)
-        self._put(buf, slice(0, c), kh.gather(0, keep.unsqueeze(-1).expand(-1, -1, kh.shape[-1])))
+        kept = kb.gather(0, keep.unsqueeze(-1).expand(-1, -1, kb.shape[-1]))  # (capacity, rows, c)
+        self._put(buf, slice(0, c), pack_codes(kept))
 
     # ------------------------------------------------------------------ decode
     def before_attention(self, buf, slot, q):

@@ -510,10 +510,11 @@ def test_batched_replay_is_bit_identical_to_the_stepwise_one(bits_, source, g):
     policy = get_policy("hashevict", budget_tokens=capacity + 1, hash_bits=bits_,
                         hash_source=source)
     proj = torch.randn(bits_, d, generator=gen)
-    kh = kernels.hash_codes(torch.randn(s, rows, d, generator=gen), proj)
-    qh = kernels.hash_codes(torch.randn(s, rows, g, d, generator=gen), proj)
+    kb = kernels.hash_bits(torch.randn(s, rows, d, generator=gen), proj)
+    qb = kernels.hash_bits(torch.randn(s, rows, g, d, generator=gen), proj)
     if source == "key":
-        qh = kh.unsqueeze(2)
+        qb = kb.unsqueeze(2)
+    kh, qh = kernels.pack_codes(kb), kernels.pack_codes(qb)
     n_real = torch.tensor([90, 90, 61, 35, 25])
     npool = capacity - ring - sinks
     idx = sinks + torch.arange(npool).unsqueeze(1)
@@ -521,7 +522,6 @@ def test_batched_replay_is_bit_identical_to_the_stepwise_one(bits_, source, g):
     assert (pool < 0).any()
     want = stepwise_replay(pool.clone(), kh, qh, n_real, s, capacity, ring)
     signs = flexevict.policies.hashevict._signs
-    got = policy._replay(pool.clone(), signs(kh, bits_), signs(qh, bits_).sum(dim=2), n_real,
-                         capacity, ring)
+    got = policy._replay(pool.clone(), signs(kb), signs(qb).sum(dim=2), n_real, capacity, ring)
     assert torch.equal(got, want)
     assert not torch.equal(want, pool)                      # the replay evicted something

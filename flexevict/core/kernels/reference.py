@@ -287,15 +287,29 @@ def evict_commit(buf: KVBuffer, end: int, cursor: bool = True, value=None,
 def hash_codes(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     """SimHash codes: x (..., d) -> (..., words) int64; bit j of the code (bit j % 32 of word
     j // 32) is 1 iff (R x)_j >= 0 (HashEvict's Heaviside, Eq. 2). proj: R (bits, d) fp32."""
-    bits = (x.to(torch.float32) @ proj.t()) >= 0                     # (..., c)
+    return pack_codes(hash_bits(x, proj))
+
+
+def hash_bits(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    """The SimHash bits unpacked: x (..., d) -> (..., bits) bool, (R x)_j >= 0."""
+    return (x.to(torch.float32) @ proj.t()) >= 0
+
+
+def pack_codes(bits: torch.Tensor) -> torch.Tensor:
+    """(..., c) bool -> (..., ceil(c / 32)) int64 codes, bit j at bit j % 32 of word j // 32."""
     c = bits.shape[-1]
-    j = torch.arange(c, device=x.device)
-    weighted = bits.to(torch.int64) << (j % WORD_BITS)              # bit j's value in its word
+    weighted = bits.to(torch.int64) << (_bit_offsets(c, str(bits.device)))   # bit j's value
     if c <= WORD_BITS:
         return weighted.sum(-1, keepdim=True)
     words = -(-c // WORD_BITS)
     weighted = F.pad(weighted, (0, words * WORD_BITS - c))
     return weighted.view(*weighted.shape[:-1], words, WORD_BITS).sum(-1)
+
+
+@functools.lru_cache(maxsize=16)
+def _bit_offsets(c: int, device: str) -> torch.Tensor:
+    """j % 32 for j < c, (c,) int64, made once per width and device (a decode step hashes)."""
+    return torch.arange(c, device=device) % WORD_BITS
 
 
 @functools.cache
