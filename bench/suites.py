@@ -148,6 +148,8 @@ def suite_bound():
             for m in ("opt-6.7b", "opt-13b") for b in (8, 32)]
 
 
+# the policies of the eviction-cost table (bench/eviction_cost.py): the five papers' and TOVA
+SEED_POLICIES = ("h2o", "buzz", "cascade", "hashevict", "vatp", "tova")
 AUTO_FLAGS = ["--compress-weight", "auto", "--compress-cache", "auto", "--cpu-cache-compute",
               "auto"]
 
@@ -169,6 +171,12 @@ def suite_placement_cpu():
             cases.append(case(f"{model}-auto-{tag}-limit", model, (128, 32), ("auto", 4, 2),
                               extra + AUTO_FLAGS + ["--cpu-mem-limit", str(PLACEMENT_LIMIT_GB)],
                               policy=pol))
+    # what eviction costs at a long prompt (score collection, replay, in-cache RoPE): every
+    # seed policy at 20% on the eviction-cost case (bench/eviction_cost.py), one thread
+    extra = ["--device", "cpu", "--threads", "1", "--path", smol]
+    cases += [case(f"smollm2-135m-2048-{'-'.join(map(str, pol))}", "smollm2-135m", (2048, 32),
+                   ("100 0 100 0 100 0", 8, 1), extra + ["--predict"], policy=pol)
+              for pol in [("full",)] + [(name, 0.2) for name in SEED_POLICIES]]
     return cases
 
 

@@ -402,7 +402,27 @@ def test_a_policys_hook_costs_are_measured_on_first_use(tmp_path, monkeypatch):
     cal.data["quick"] = True
     hooks = cal.policy(PolicySpec.parse("tova", 0.5), torch.device("cpu"), torch.float32)
     assert hooks["decode"]["fixed_s"] >= 0 and hooks["prefill"]["per_token_row_s"] >= 0
-    assert any(k.endswith(":tova:[]") for k in json.load(open(tmp_path / "c.json"))["policies"])
+    keys = json.load(open(tmp_path / "c.json"))["policies"]
+    assert any(k.endswith(f":tova:[]{calibration.POLICY_COSTS}") for k in keys)
+
+
+@pytest.mark.parametrize("name,rotates", [("cascade", True), ("h2o", False)])
+def test_hook_costs_include_the_in_cache_rotation(name, rotates, monkeypatch):
+    """A policy that keeps keys before RoPE makes the model rotate every attended key each step
+    (Cascade's step is 1.5x h2o's on a CPU): its measured decode cost includes that rotation,
+    over the attended slots, and a policy that does not is measured without it."""
+    from flexevict.core import model
+    seen = []
+    real = model.rotate_in_cache
+
+    def spy(q, buf, n, table, pos_end=None):
+        seen.append((n, buf.attended(buf.incoming_slot()), table.shape[0] >= n))
+        return real(q, buf, n, table, pos_end)
+    monkeypatch.setattr(model, "rotate_in_cache", spy)
+    calibration.measure_policy(PolicySpec.parse(name, 0.5), torch.device("cpu"), torch.float32,
+                               quick=True)
+    assert bool(seen) == rotates
+    assert all(n == attended and fits for n, attended, fits in seen)
 
 
 def test_cache_folder_and_bad_calibration_files(tmp_path, monkeypatch):

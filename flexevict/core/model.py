@@ -260,19 +260,15 @@ class Transformer:
         return self._inv_freq_at[device]
 
     def rank_rope(self, n: int, device, dtype) -> torch.Tensor:
-        """The half-width cos and sin side by side, (m, d), for the positions 0..m-1, m >= n,
-        grown by doubling. StreamingLLM and Cascade rotate every cached key to its in-cache rank
-        on every step: a lookup in this table is bit-identical to `rope_cos_sin` of the ranks
-        (an elementwise function, its two halves equal) and saves recomputing the cosines and
-        sines of the whole cache each step; side by side, one gather fetches both."""
+        """`rank_table` for the ranks 0..m-1, m >= n, on (device, dtype): kept, and grown by
+        doubling. StreamingLLM and Cascade rotate every cached key to its in-cache rank on
+        every step; a lookup in the table saves recomputing the cosines and sines of the whole
+        cache each step."""
         key = (torch.device(device), dtype)
         table = self._rank_rope_at.get(key)
         if table is None or table.shape[0] < n:
             size = 1 << max(n - 1, 1).bit_length()
-            cos, sin = rope_cos_sin(self.rope_freq(device), torch.arange(size, device=device),
-                                    dtype)
-            h = cos.shape[-1] // 2
-            table = self._rank_rope_at[key] = torch.cat([cos[:, :h], sin[:, :h]], dim=-1)
+            table = self._rank_rope_at[key] = rank_table(self.rope_freq(device), size, dtype)
         return table
 
     # ------------------------------------------------------------------ embed / head
@@ -424,17 +420,31 @@ class Transformer:
         return out.reshape(b, nh * d)
 
     def _rotate_in_cache(self, q, buf: KVBuffer, n: int, pos_end: int | None = None):
-        """RoPE by in-cache rank (StreamingLLM/Cascade): keys cached before RoPE are rotated to
-        their rank among the row's valid slots, the query to the last rank; pos_end as in
-        `cache_ranks`. -> q, keys (n, R, d)."""
-        valid = buf.valid[:n]
-        rank = cache_ranks(buf.pos[:n], valid, pos_end)                         # (n, R)
-        h = q.shape[-1] // 2
-        table = self.rank_rope(n, q.device, q.dtype)                           # (m, d), m >= n
-        both = table.index_select(0, rank.reshape(-1)).view(*rank.shape, 2 * h)  # one gather
-        keys = rotate_pairs(buf.k[:n], both[..., :h], both[..., h:])           # (n, R, d)
-        at_q = table[valid.sum(dim=0) - 1].unsqueeze(1)                        # (R, 1, d)
-        return rotate_pairs(q, at_q[..., :h], at_q[..., h:]), keys
+        """`rotate_in_cache` with this model's rank table."""
+        return rotate_in_cache(q, buf, n, self.rank_rope(n, q.device, q.dtype), pos_end)
+
+
+def rank_table(inv_freq: torch.Tensor, size: int, dtype) -> torch.Tensor:
+    """The half-width cos and sin of RoPE side by side, (size, d), for the positions
+    0..size-1 (inv_freq (d/2,) on the table's device): a row is bit-identical to `rope_cos_sin`
+    of its index (an elementwise function, its two halves equal); side by side, one gather
+    fetches both."""
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(size, device=inv_freq.device), dtype)
+    h = cos.shape[-1] // 2
+    return torch.cat([cos[:, :h], sin[:, :h]], dim=-1)
+
+
+def rotate_in_cache(q, buf: KVBuffer, n: int, table: torch.Tensor, pos_end: int | None = None):
+    """RoPE by in-cache rank (StreamingLLM/Cascade): keys cached before RoPE are rotated to
+    their rank among the row's valid slots, the query to the last rank. q (R, g, d); table
+    (m, d) from `rank_table`, m >= n; pos_end as in `cache_ranks` -> q, keys (n, R, d)."""
+    valid = buf.valid[:n]
+    rank = cache_ranks(buf.pos[:n], valid, pos_end)                             # (n, R)
+    h = q.shape[-1] // 2
+    both = table.index_select(0, rank.reshape(-1)).view(*rank.shape, 2 * h)  # one gather
+    keys = rotate_pairs(buf.k[:n], both[..., :h], both[..., h:])               # (n, R, d)
+    at_q = table[valid.sum(dim=0) - 1].unsqueeze(1)                            # (R, 1, d)
+    return rotate_pairs(q, at_q[..., :h], at_q[..., h:]), keys
 
 
 def cache_ranks(pos: torch.Tensor, valid: torch.Tensor, pos_end: int | None = None):

@@ -60,6 +60,7 @@ import torch
 
 from flexevict.core.config import ARCHS, DTYPES, default_dtype
 from flexevict.errors import UserError, setting
+from flexevict.runtime.allocator import steady_host_allocator
 from flexevict.runtime.machine import device_name
 
 SCHEMA = 3       # 3: prefill attention with prompt scores is one fused pass
@@ -161,7 +162,8 @@ class Calibration:
 
     def policy(self, spec, device: torch.device, dtype: torch.dtype) -> dict:
         """Hook costs of a policy (name and arguments) on (device, dtype)."""
-        key = f"{torch.device(device).type}:{dtype_name(dtype)}:{spec.name}:{sorted(spec.args)}"
+        key = (f"{torch.device(device).type}:{dtype_name(dtype)}:{spec.name}:{sorted(spec.args)}"
+               f"{POLICY_COSTS}")
         table = self.data.setdefault("policies", {})
         if key not in table:
             if self.synthetic or not self.measure_ok:
@@ -195,6 +197,7 @@ def load(device: torch.device, threads: int | None = None, offload_dir: str | No
     a run on `threads` torch CPU threads (default: torch's current count). It is measured at
     one thread per core, whatever `threads` is: one calibration serves every thread count."""
     threads = threads or torch.get_num_threads()
+    steady_host_allocator()            # measure in the allocator state the engine runs in
     path = path or os.environ.get("FLEXEVICT_CALIBRATION")
     if path:
         return read_file(path, threads)
@@ -971,6 +974,11 @@ def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
 
 # ---------------------------------------------------------------------------- policies
 
+# the version of what a policy's measured costs include, the end of its key in a calibration
+# file: v2 counts the in-cache RoPE rotation (`_policy_decode`); an older entry is measured again
+POLICY_COSTS = ":v2"
+
+
 def measure_policy(spec, device, dtype, quick: bool) -> dict:
     """A policy's hooks on a bare KV buffer: per decode step (before + after attention, the
     fused score accumulation included) fixed + per (slot x row); prefill (compaction of a
@@ -1034,12 +1042,18 @@ def _policy_prefill(spec, device, dtype, rows, d, g, cap) -> float:
 
 
 def _policy_decode(spec, device, dtype, rows, d, g, cap, quick) -> float:
-    """Seconds per decode step of the hooks alone, once the buffer is full."""
-    from flexevict.core.model import attend
+    """Seconds per decode step of the hooks alone, once the buffer is full, and for a policy
+    that keeps keys before RoPE (`rope_in_cache`) the rotation of the attended keys to their
+    in-cache ranks: work the policy adds to attention (Cascade's step is 1.5x h2o's on a CPU)."""
+    from flexevict.core.model import attend, rank_table, rotate_in_cache
     s = _prompt_len(spec, cap)
     k, pos, valid, scores, q = _prompt(device, dtype, s, rows, d, g)
     policy, buf = _fresh(spec, device, dtype, rows, d, cap, s)
     _prefill(policy, buf, k, pos, valid, scores, q)
+    table = None
+    if buf.layout.rope_in_cache:
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=device) / d)   # (timing)
+        table = rank_table(inv_freq, buf.layout.slots, dtype)
     steps = 8 if quick else 24
     spent = []
     for i in range(steps):
@@ -1050,9 +1064,13 @@ def _policy_decode(spec, device, dtype, rows, d, g, cap, quick) -> float:
         _sync(device)
         t0 = time.perf_counter()
         policy.before_attention(buf, slot, qi)
+        n, keys = buf.attended(slot), None
+        if table is not None:
+            qi, keys = rotate_in_cache(qi, buf, n, table, s + i + 1)
+        _sync(device)
         t1 = time.perf_counter()
         scored = policy.accumulates_attention          # as the model: fused into attention
-        _, probs = attend(qi, buf, buf.attended(slot), d ** -0.5, score=scored)
+        _, probs = attend(qi, buf, n, d ** -0.5, keys, score=scored)
         _sync(device)
         t2 = time.perf_counter()
         policy.after_attention(buf, slot, probs, scored=scored)

@@ -33,6 +33,7 @@ from flexevict.core.model import (LINEAR_WEIGHTS, PackedWeight, Transformer, loa
                     load_outer_weights, onednn_usable)
 from flexevict.policies import Policy
 from flexevict.runtime.graphs import CaptureFailed, DecodeGraphs
+from flexevict.runtime.allocator import steady_host_allocator
 from flexevict.runtime.offload import DONE, Lane, Tiers, Ticket, Traffic, load_into, store_into
 from flexevict.runtime.placement import DEFAULT_OFFLOAD_DIR, Placement
 from flexevict.runtime.weight_cache import WeightCache
@@ -148,6 +149,7 @@ class Engine:
     stack_layers = True
 
     def __init__(self, model: Transformer, placement: Placement, homes: list[dict], tiers: Tiers):
+        steady_host_allocator()        # a CPU step's temporaries reused, not mapped afresh
         self.model, self.placement, self.homes, self.tiers = model, placement, homes, tiers
         self.config = model.config
         self.stages = stages_for(self.config.num_layers, placement.sep_layer)
