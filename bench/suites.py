@@ -172,11 +172,13 @@ def suite_placement_cpu():
                               extra + AUTO_FLAGS + ["--cpu-mem-limit", str(PLACEMENT_LIMIT_GB)],
                               policy=pol))
     # what eviction costs at a long prompt (score collection, replay, in-cache RoPE): every
-    # seed policy at 20% on the eviction-cost case (bench/eviction_cost.py), one thread
+    # seed policy at 20% on the eviction-cost case (bench/eviction_cost.py), and recall at its
+    # 10%, one thread
     extra = ["--device", "cpu", "--threads", "1", "--path", smol]
     cases += [case(f"smollm2-135m-2048-{'-'.join(map(str, pol))}", "smollm2-135m", (2048, 32),
                    ("100 0 100 0 100 0", 8, 1), extra + ["--predict"], policy=pol)
-              for pol in [("full",)] + [(name, 0.2) for name in SEED_POLICIES]]
+              for pol in [("full",)] + [(name, 0.2) for name in SEED_POLICIES]
+              + [("recall", 0.1)]]
     return cases
 
 
