@@ -406,28 +406,6 @@ def test_a_policys_hook_costs_are_measured_on_first_use(tmp_path, monkeypatch):
     assert any(k.endswith(f":tova:[]{calibration.POLICY_COSTS}") for k in keys)
 
 
-def test_prefill_attention_rate_follows_the_prompt_length():
-    """Prefill attention runs faster per flop on longer prompts: the rate at a prompt length is
-    the calibration's at its two lengths, log-linear between, held outside; a calibration
-    measured before the long rate existed keeps its one rate."""
-    from flexevict.planner.costmodel import prefill_attention_rate
-    d = {"sdpa_flops": 80.0, "sdpa_flops_long": 160.0, "scored_attn_flops": 70.0,
-         "scored_attn_flops_long": 110.0, "attn_lengths": [512, 2048]}
-    assert [prefill_attention_rate(d, False, n) for n in (128, 512, 1024, 2048, 32768)] == \
-        [80.0, 80.0, 120.0, 160.0, 160.0]
-    assert prefill_attention_rate(d, True, 1024) == 90.0
-    old = {"sdpa_flops": 80.0, "scored_attn_flops": 70.0}
-    assert prefill_attention_rate(old, False, 2048) == 80.0
-    assert prefill_attention_rate(old, True, 2048) == 70.0
-
-
-def test_calibration_measures_prefill_attention_at_two_lengths():
-    out = calibration.measure_attention(torch.device("cpu"), torch.float32, quick=True)
-    lo, hi = out["attn_lengths"]
-    assert lo < hi and all(out[k] > 0 for k in ("sdpa_flops", "sdpa_flops_long",
-                                                 "scored_attn_flops", "scored_attn_flops_long"))
-
-
 @pytest.mark.parametrize("quick", [True, False])
 def test_recalls_hook_costs_are_measured_over_every_step(quick):
     """Recall appends every decode step to its history: the measurement's buffer is sized for

@@ -561,8 +561,7 @@ def _thread_factors(scaling: dict | None, n: int, threads: int | None) -> dict:
 # attention, "elementwise" a CPU-only machine's links). Not the weight preparation table: a
 # streamed layer's reorder is bound by faulting in fresh pages, and measure_prepare gives the
 # same rates on one thread as on two.
-SCALING = {"compute": ("gemm_flops", "sdpa_flops", "scored_attn_flops", "sdpa_flops_long",
-                       "scored_attn_flops_long"),
+SCALING = {"compute": ("gemm_flops", "sdpa_flops", "scored_attn_flops"),
            "memory": ("gemv_bw", "gemv_hot_bw"),
            "elementwise": ("mem_bw", "quant_bw", "dequant_bw")}
 
@@ -789,18 +788,15 @@ def measure_quant(device, dtype, quick: bool) -> dict:
 # busy (at 2 x 8 x 512 an H200 measured 9 TFLOP/s of launch overhead, and the cost model,
 # scaling that rate to a 32k prompt, predicted the prefill 20x too slow)
 PREFILL_ATTENTION = {False: (2, 8, 512), True: (4, 32, 2048)}
-# and a longer prompt: prefill attention's flop/s grows with the length (a 2-core CPU's SDPA: 82
-# GF/s at 512 tokens, 147 at 2048, 168 at 4096): at the 512-token rate alone, a 2048-token
-# prompt's attention was priced at half its speed
-PREFILL_ATTENTION_LONG = {False: (1, 8, 2048), True: (1, 32, 8192)}
 
 
 def measure_attention(device, dtype, quick: bool) -> dict:
     """Decode attention (fixed + per slot x row x (g + 2) x d), and the flop/s of causal prefill
-    attention at two prompt lengths (`attn_lengths`; the cost model interpolates between them)
-    on SDPA and on the pass that also collects the prompt's column sums (what a policy that
-    ranks the prompt runs instead)."""
+    attention (2 B H S^2 d flops) on SDPA and on the pass that also collects the prompt's
+    column sums (`kernels.prefill_attention_scores`, what a policy that ranks the prompt runs
+    instead)."""
     from flexevict.core import kernels
+    from flexevict.core.model import causal_attention
     r, g, d = 32, 4, 64
     units, times = [], []
     for n in (64, 256) if quick else (64, 512, 2048):
@@ -812,28 +808,15 @@ def measure_attention(device, dtype, quick: bool) -> dict:
                                device))
         units.append(n * r * (g + 2) * d)
     fixed, per_unit = _fit(units, times)
-    cuda = device.type == "cuda"
-    shapes = [(1, 8, 128), (1, 8, 512)] if quick else \
-        [PREFILL_ATTENTION[cuda], PREFILL_ATTENTION_LONG[cuda]]
-    rates = [_prefill_attention_rates(b, h, s, d, device, dtype) for b, h, s in shapes]
-    return {"attn_decode": {"fixed_s": fixed, "per_unit_s": per_unit},
-            "sdpa_flops": rates[0][0], "scored_attn_flops": rates[0][1],
-            "sdpa_flops_long": rates[1][0], "scored_attn_flops_long": rates[1][1],
-            "attn_lengths": [shapes[0][2], shapes[1][2]]}
-
-
-def _prefill_attention_rates(b, h, s, d, device, dtype) -> tuple[float, float]:
-    """flop/s (2 B H S^2 d) of causal prefill attention on SDPA and on the pass that collects
-    the prompt's column sums (`kernels.prefill_attention_scores`)."""
-    from flexevict.core import kernels
-    from flexevict.core.model import causal_attention
+    b, h, s = (1, 8, 128) if quick else PREFILL_ATTENTION[device.type == "cuda"]
     q = torch.randn(b, h, s, d, device=device, dtype=dtype)
     flops = 2 * b * h * s * s * d
     sdpa = flops / best_time(lambda: causal_attention(q, q, q, None), device, 3)
     valid = torch.ones(b, s, dtype=torch.bool, device=device)
     scored = flops / best_time(lambda: kernels.prefill_attention_scores(q, q, q, valid, 0.1),
                                device, 3)
-    return sdpa, scored
+    return {"attn_decode": {"fixed_s": fixed, "per_unit_s": per_unit}, "sdpa_flops": sdpa,
+            "scored_attn_flops": scored}
 
 
 # ---------------------------------------------------------------------------- fixed costs

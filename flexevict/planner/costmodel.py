@@ -284,7 +284,7 @@ class CostModel:
             for name, (n, k) in ((nm, sh) for nm, sh in stage if len(sh) == 2)
             if name in LINEAR_WEIGHTS)
         hook = self.cal.policy(PolicySpec("full"), self.device, self.dtype)["prefill"]
-        attn = 2 * b * c.num_heads * s * s * c.dim_head / prefill_attention_rate(d, False, s) + \
+        attn = 2 * b * c.num_heads * s * s * c.dim_head / d["sdpa_flops"] + \
             hook["fixed_s"] + hook["per_token_row_s"] * s * b * c.num_kv_heads
         one = m * e / d["mem_bw"]
         self._passes_fit = {
@@ -348,7 +348,7 @@ class CostModel:
         if i == 0:
             d = self.dev
             flops = 2 * b * h * self.P * self.P * dh
-            t = flops / prefill_attention_rate(d, self.ranks_prompt, self.P)
+            t = flops / d["scored_attn_flops" if self.ranks_prompt else "sdpa_flops"]
             hook = self.hooks["prefill"]
             return t + hook["fixed_s"] + hook["per_token_row_s"] * self.P * rows
         on_cpu = self.cuda and work == "cpu"
@@ -514,17 +514,3 @@ def _interpolate(table: list, x: float) -> float:
 
 def _clamp(x: float) -> float:
     return min(max(x, EFFICIENCY_RANGE[0]), EFFICIENCY_RANGE[1])
-
-
-def prefill_attention_rate(d: dict, scored: bool, length: int) -> float:
-    """flop/s of causal prefill attention over `length` tokens, on SDPA or (scored) on the pass
-    that collects the prompt's column sums: a device section's rates at its two `attn_lengths`,
-    interpolated in log length and held outside them (a calibration without the long rate: the
-    one rate)."""
-    short = d["scored_attn_flops" if scored else "sdpa_flops"]
-    long = d.get("scored_attn_flops_long" if scored else "sdpa_flops_long")
-    if long is None or "attn_lengths" not in d:
-        return short
-    lo, hi = d["attn_lengths"]
-    f = min(max(math.log(length / lo) / math.log(hi / lo), 0.0), 1.0) if length > 0 else 0.0
-    return short + f * (long - short)
