@@ -1,5 +1,5 @@
-"""Shared by the scripts in bench/: the package's run metadata and JSON writer, and running a
-command that writes its result as JSON (each benchmark case is its own process).
+"""Shared by the scripts in bench/: the package's run metadata and JSON writer, the seed policies,
+and running a command that writes its result as JSON (each benchmark case is its own process).
 
     python bench/common.py      # the run metadata every result here records, for this machine
 """
@@ -10,6 +10,10 @@ import sys
 
 from flexevict.bench.report import write_json  # noqa: F401
 from flexevict.runtime.machine import run_metadata
+
+# the policies of the cost-of-eviction comparisons (bench/eviction_cost.py, the placement
+# suite's 2048-token cases): the five papers' and TOVA
+SEED_POLICIES = ("h2o", "buzz", "cascade", "hashevict", "vatp", "tova")
 
 
 def run_engine(c: dict, out: str) -> dict:

@@ -26,11 +26,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+from common import SEED_POLICIES  # noqa: E402
 from side_by_side import prepare  # noqa: E402
 
 from flexevict.errors import UserError, cli_errors  # noqa: E402
 
-POLICIES = ("full", "h2o", "buzz", "cascade", "hashevict", "vatp", "tova")
+POLICIES = ("full",) + SEED_POLICIES
 GEN_LENS = (32, 256)
 
 

@@ -37,7 +37,7 @@ RESULTS = os.path.join(HERE, "results")
 PLACEMENT_RESULTS = os.path.join(RESULTS, "placement")
 sys.path.insert(0, HERE)            # bench/'s own modules, also when imported from elsewhere
 
-from common import run_engine, run_json  # noqa: E402
+from common import SEED_POLICIES, run_engine, run_json  # noqa: E402
 from placement_table import PLACEMENT_LIMIT_GB, run_placement_suite  # noqa: E402
 
 from flexevict.bench.report import write_json  # noqa: E402
@@ -148,8 +148,6 @@ def suite_bound():
             for m in ("opt-6.7b", "opt-13b") for b in (8, 32)]
 
 
-# the policies of the eviction-cost table (bench/eviction_cost.py): the five papers' and TOVA
-SEED_POLICIES = ("h2o", "buzz", "cascade", "hashevict", "vatp", "tova")
 AUTO_FLAGS = ["--compress-weight", "auto", "--compress-cache", "auto", "--cpu-cache-compute",
               "auto"]
 
