@@ -69,6 +69,9 @@ class Policy:
                                     # change buffer tensors in place only, keep other state in
                                     # the buffer's scalar attributes, never sync with the host
                                     # (flexevict/runtime/graphs.py)
+    graph_safe_filling = False      # ... also while a buffer still fills: its hooks leave the
+                                    # new token to KVBuffer.write and commit_appended, which
+                                    # index by the fill count kept on the device (`full`)
 
     def __post_init__(self):
         if self.budget is not None and not 0 < self.budget <= 1:

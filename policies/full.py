@@ -13,6 +13,7 @@ from flexevict.policies.base import Policy
 @dataclass(frozen=True)
 class Full(Policy):
     name = "full"
+    graph_safe = graph_safe_filling = True     # the base hooks: write, attend, append
 
     def __post_init__(self):
         super().__post_init__()

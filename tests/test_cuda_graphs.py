@@ -7,18 +7,24 @@ import pytest
 import torch
 from tiny import CONFIGS, greedy, model_for, rand_prompts
 
+from flexevict.core import kv
 from flexevict.core.kv import Field
 from flexevict.io.weights import DummyWeights
 from flexevict.policies import POLICIES, get_policy
 from flexevict.policies.h2o import H2O
 from flexevict.runtime.engine import Engine
 from flexevict.runtime.generation import generate
-from flexevict.runtime.graphs import (DecodeGraphs, cursors, host_state, restore_cursors,
+from flexevict.runtime.graphs import (DecodeGraphs, host_state, mirrors, restore_mirrors,
                                       set_host_state)
 from flexevict.runtime.placement import Placement
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: real CUDA graphs")
 GRAPH_SAFE = sorted(n for n, cls in POLICIES.items() if cls.graph_safe)
+
+
+def _policy(name: str):
+    """A graph-safe policy whose buffer the test prompts overflow (`full` never evicts)."""
+    return get_policy(name) if name == "full" else get_policy(name, budget_tokens=24)
 
 
 class _Rerun:
@@ -33,14 +39,14 @@ class _Rerun:
             self.first = False
             return
         set_host_state(self.bufs, self.key)
-        mirrors = cursors(self.bufs)       # the host's ring cursors, advanced before the replay
+        saved = mirrors(self.bufs)         # the host's counters: the graphs move them after
         out = self.body(self.static)
         for dst, src in zip(self.captured.outputs, out):
             dst.copy_(src)
         assert host_state(self.bufs) == self.captured.after, "the step's host state is not " \
                                                              "a function of its key"
         set_host_state(self.bufs, self.key)   # a real replay runs no Python: it stays at key
-        restore_cursors(self.bufs, mirrors)
+        restore_mirrors(self.bufs, saved)
 
 
 class RerunGraphs(DecodeGraphs):
@@ -97,13 +103,14 @@ def run(engine, prompts, steps, policy):
 @pytest.mark.parametrize("name", GRAPH_SAFE)
 def test_graphed_steps_give_the_eager_tokens(arch, name, rerun):
     prompts = rand_prompts([30, 25, 40], seed=3)
-    policy = get_policy(name, budget_tokens=24)   # every policy's minimum fits; prompts overflow it
+    policy = _policy(name)
     ref, eager = run(_engine(arch, graphs=False), prompts, 40, policy)
     assert not any(eager.graphed)
     tokens, stats = run(_engine(arch, graphs=True), prompts, 40, policy)
     assert tokens == ref
-    # every decode step of a buffer that fills at prefill goes through the graphs; the first
-    # is the warm-up, then one capture (a ring cursor is kept on the device) and replays
+    # every decode step of a buffer that fills at prefill (or of `full`'s, one span of 80
+    # slots) goes through the graphs; the first is the warm-up, then one capture (a ring
+    # cursor or a fill count is kept on the device) and replays
     assert stats.graphed == [False] + [True] * 39
     assert stats.graph_captures == 1
 
@@ -137,6 +144,27 @@ def test_one_graph_serves_every_ring_position(short_runs, monkeypatch, stack_lay
     assert all(int(b.cursor_at) == b.cursor for b in bufs)
     assert len({b.cursor for b in bufs}) == 1 and bufs[0].cursor != bufs[0].ring_start
     assert tokens == generate(_engine("opt", graphs=False), prompts, 40, policy)
+
+
+@pytest.mark.parametrize("span", [16, 256])
+def test_one_graph_per_span_of_a_filling_buffer(short_runs, monkeypatch, span):
+    """`full`'s buffer fills for the whole run: its fill count lives on the device in a
+    graphed run (written at and counted there, mirrored on the host), and a step attends over
+    the fill rounded up to FILL_SPAN slots (masked past the new token), so one capture serves
+    each span: at 16, spans 48, 64 and 80 (capacity 80) after the warm-up at 41 slots."""
+    monkeypatch.setattr(kv, "FILL_SPAN", span)
+    prompts, policy = rand_prompts([30, 25, 40], seed=3), get_policy("full")
+    runs = []
+    engine = _engine("llama-gqa", graphs=True)
+    engine.Graphs = RerunGraphs
+    real = engine._run
+    engine._run = lambda run, *a: runs.append(run) or real(run, *a)
+    tokens, stats = run(engine, prompts, 40, policy)
+    ref, _ = run(_engine("llama-gqa", graphs=False), prompts, 40, policy)
+    assert tokens == ref and all(stats.graphed[1:])
+    g, bufs = runs[0].graphs, [b for batch in runs[0].cache for b in batch]
+    assert g.captures == (3 if span == 16 else 1) and g.replays == 38
+    assert all(int(b.used_at) == b.used == 40 + 39 for b in bufs)
 
 
 def test_a_policy_that_reassigns_buffer_state_is_refused(rerun):
@@ -177,14 +205,12 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(monkeypatch, capsys, short_
     assert err.count("CUDA graphs are off for this run") == 1 and "not permitted" in err
 
 
-@pytest.mark.parametrize("case", ["flag off", "full", "not graph_safe", "weights on cpu",
+@pytest.mark.parametrize("case", ["flag off", "not graph_safe", "weights on cpu",
                                   "cache on cpu", "budget holds all"])
 def test_graphs_only_where_a_step_can_be_replayed(case, rerun, tmp_path):
     flags, policy = {}, get_policy("h2o", budget_tokens=12)
     if case == "flag off":
         flags = {"cuda_graphs": False}
-    elif case == "full":
-        policy = get_policy("full")
     elif case == "not graph_safe":
         policy = get_policy("cascade", budget_tokens=12)
         assert not policy.graph_safe
@@ -228,7 +254,7 @@ def test_the_cli_flag_reaches_the_placement():
 @pytest.mark.parametrize("name", GRAPH_SAFE)
 def test_real_graphs_give_the_eager_tokens_on_a_gpu(arch, name, short_runs):
     prompts = rand_prompts([30, 25, 40], seed=3)
-    policy = get_policy(name, budget_tokens=24)   # every policy's minimum fits; prompts overflow it
+    policy = _policy(name)
     ref, _ = run(_engine(arch, graphs=False, device="cuda"), prompts, 60, policy)
     tokens, stats = run(_engine(arch, graphs=True, device="cuda"), prompts, 60, policy)
     assert tokens == ref

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from flexevict.core import kernels
+from flexevict.core import kernels, kv
 from flexevict.core.config import ModelConfig
 from flexevict.runtime.generation import Sampling, generate
 from flexevict.core.kernels import ext
@@ -247,7 +247,7 @@ def test_a_ring_cursor_kept_on_the_device_is_the_one_read(device, cursor, commit
     if device == "cuda":
         assert ext.load() is not None, "the CUDA kernels did not build"
     kept, plain = ring_buffer(device, cursor), ring_buffer(device, cursor)
-    kept.keep_cursor_on_device()
+    kept.keep_counters_on_device()
     kept.cursor = 17                          # stale: what a replayed graph's launch holds
     victims = torch.arange(5, device=device) * 3 % 16
 
@@ -260,6 +260,28 @@ def test_a_ring_cursor_kept_on_the_device_is_the_one_read(device, cursor, commit
     assert int(kept.cursor_at) == plain.cursor == (21 if cursor == 20 else 16)
     kept.cursor = plain.cursor                # the stale mirror, for the comparison below
     assert_same_buffers(kept, plain)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_a_fill_count_kept_on_the_device_is_where_a_token_goes(device, monkeypatch):
+    """A filling buffer keeping its fill count on the device (`used_at`, what lets one CUDA
+    graph serve a span of filling steps) writes the new token at that count whatever its host
+    int says, counts it there, and attends over the fill rounded up to FILL_SPAN slots."""
+    monkeypatch.setattr(kv, "FILL_SPAN", 8)
+    buf = KVBuffer(Layout(21), 3, 4, torch.float32, device)          # 20 committed slots
+    buf.used = 5
+    buf.keep_counters_on_device()
+    buf.used_at.fill_(7)                      # ahead of a stale host value, as at a replay
+    k, v = torch.ones(3, 4, device=device), torch.full((3, 4), 2.0, device=device)
+    slot = buf.incoming_slot()
+    buf.write(slot, k, v, torch.full((3,), 9, dtype=torch.int32, device=device))
+    assert slot == 5 and buf.valid.any(1).nonzero().flatten().tolist() == [7]
+    assert buf.k[7].eq(1).all() and buf.v[7].eq(2).all() and buf.pos[7].eq(9).all()
+    assert buf.attended(slot) == 8                     # 6 slots rounded up to the span
+    buf.commit_appended(slot)
+    assert (buf.used, int(buf.used_at)) == (6, 8)
+    buf.used = buf.capacity                            # full: the scratch slot, no span
+    assert buf.attended(buf.incoming_slot()) == 21
 
 
 def test_hash_victims_farthest_key_with_sinks_protected():

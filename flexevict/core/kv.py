@@ -64,6 +64,8 @@ class Layout:
 
 
 KV = "kv"               # a Field's dtype: the buffer's K/V dtype
+FILL_SPAN = 256          # slots a filling buffer's graphed step attends in one bucket: one
+                         # capture per 256 steps, at most 255 masked slots read (`attended`)
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ class KVBuffer:
         self.ring_start = 0      # ring policies: first slot of the recent queue
         self.cursor = 0          # ring policies: slot of the oldest recent token
         self.cursor_at: torch.Tensor | None = None   # `cursor` on the device, where kept there
+        self.used_at: torch.Tensor | None = None     # `used` on the device, where kept there
         self.rows_index = torch.arange(rows, device=self.valid.device)
         self.dirty: list | None = None   # K/V slots written since the last store (None: all)
         self.fields = fields
@@ -217,21 +220,37 @@ class KVBuffer:
         return self.used if self.used < self.capacity else self.scratch
 
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Write one token for every row. k, v: (rows, d); pos: (rows,)."""
-        self.k[slot] = k
-        self.v[slot] = v
+        """Write one token for every row. k, v: (rows, d); pos: (rows,). The next free slot is
+        indexed by `used_at` where the fill count is kept on the device (a graphed step)."""
         self.mark(slot)
-        self.pos[slot] = pos
-        self.valid[slot] = True
-        self.score[slot] = 0.0
-        self.state[slot] = 0.0
+        if not self._appends_on_device(slot):
+            self.k[slot], self.v[slot], self.pos[slot] = k, v, pos
+            self.valid[slot], self.score[slot], self.state[slot] = True, 0.0, 0.0
+            return
+        at = self.used_at
+        for t, value in ((self.k, k), (self.v, v), (self.pos, pos)):
+            t.index_copy_(0, at, value.unsqueeze(0))
+        for t, value in ((self.valid, True), (self.score, 0.0), (self.state, 0.0)):
+            t.index_fill_(0, at, value)
 
     def attended(self, slot: int) -> int:
-        """Number of leading slots attention reads when the new token sits in `slot`."""
-        return max(self.used, slot + 1)
+        """Number of leading slots attention reads when the new token sits in `slot`. With the
+        fill count kept on the device, a filling buffer's span is rounded up to `FILL_SPAN`
+        slots (those past the new token are invalid, so masked): the span, not the fill count,
+        then shapes the step, and one CUDA graph serves FILL_SPAN filling steps."""
+        n = max(self.used, slot + 1)
+        if not self._appends_on_device(slot):
+            return n
+        return min(self.capacity, -(-n // FILL_SPAN) * FILL_SPAN)
+
+    def _appends_on_device(self, slot: int) -> bool:
+        """The token in `slot` is appended at the fill count kept on the device."""
+        return self.used_at is not None and slot == self.used < self.capacity
 
     def commit_appended(self, slot: int) -> None:
         """The token written to a free slot stays there."""
+        if self._appends_on_device(slot):
+            self.used_at.add_(1)
         if slot == self.used:
             self.used += 1
 
@@ -252,14 +271,18 @@ class KVBuffer:
         self.move(self.scratch, victims)
         self.valid[self.scratch] = False
 
-    def keep_cursor_on_device(self) -> None:
+    def keep_counters_on_device(self) -> None:
         """Keep the ring cursor on the buffer's device as well (`cursor_at`, (1,) int64), where
-        the ring's commits read and advance it: a decode step's launches then no longer depend
-        on its host value, so one CUDA graph serves every ring position (runtime/graphs.py).
-        `cursor` stays its host mirror. One element, not a 0-dim tensor: torch reads a 0-dim
-        index on the host (a GPU sync), and indexes with a (1,) one on the device."""
+        the ring's commits read and advance it, and, while the buffer fills, the fill count
+        (`used_at`), where a new token is written and counted: a decode step's launches then no
+        longer depend on their host values, so one CUDA graph serves every ring position and
+        `FILL_SPAN` filling steps (runtime/graphs.py). `cursor` and `used` stay their host
+        mirrors. One element, not a 0-dim tensor: torch reads a 0-dim index on the host (a GPU
+        sync), and indexes with a (1,) one on the device."""
         if self.cursor_at is None:
             self.cursor_at = torch.full((1,), self.cursor, dtype=torch.int64, device=self.device)
+        if self.used_at is None and self.used < self.capacity:
+            self.used_at = torch.full((1,), self.used, dtype=torch.int64, device=self.device)
 
     def ring_cursor(self) -> torch.Tensor | int:
         """The ring's oldest slot as a commit indexes it: `cursor_at` where kept, else `cursor`."""
@@ -304,12 +327,12 @@ def _shared(name: str) -> property:
 class LayerRows(KVBuffer):
     """Layer `layer`'s rows [start, stop) of `stack`, a buffer holding every layer's rows
     (`KVBuffer.layers`). Its tensors and declared state are views of the stack's; its
-    counters (`used`, `ring_start`, `cursor`, `cursor_at`) are the stack's, since every layer
-    is at the same point of a token step: per-layer work (writing the new token, attention, a
-    policy's `before_attention` and `observe`) reads them, and only a prefill (every layer
-    setting the same values) or the stack's commit, once per step, moves them."""
+    counters (`used`, `ring_start`, `cursor` and their device copies) are the stack's, since
+    every layer is at the same point of a token step: per-layer work (writing the new token,
+    attention, a policy's `before_attention` and `observe`) reads them, and only a prefill
+    (every layer setting the same values) or the stack's commit, once per step, moves them."""
     used, ring_start, cursor = _shared("used"), _shared("ring_start"), _shared("cursor")
-    cursor_at = _shared("cursor_at")
+    cursor_at, used_at = _shared("cursor_at"), _shared("used_at")
 
     def __init__(self, stack: KVBuffer, layer: int, start: int, stop: int):
         if any(not isinstance(v, torch.Tensor) for v in stack.policy_state.values()):

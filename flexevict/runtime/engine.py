@@ -284,7 +284,8 @@ class Engine:
         try:
             for i in range(steps):
                 t0 = time.perf_counter()
-                graphed = i > 0 and run.graphs is not None and _all_full(run.cache)
+                graphed = i > 0 and run.graphs is not None and (
+                    run.policy.graph_safe_filling or _all_full(run.cache))
                 if i > 0:        # a graph replays its capture at later steps: no host bound
                     end = None if graphed else width + i
                     inputs = [self._step_input(next_pos[b] + (i - 1), None, limit, end)
@@ -391,14 +392,16 @@ class Engine:
     # ------------------------------------------------------------------ CUDA graphs
     def _graphable(self, run: Run, layout: Layout, steps: int) -> bool:
         """Decode steps may run as CUDA graphs (graphs.py): a CUDA device, --cuda-graphs, a
-        graph_safe policy whose buffers fill (else no host state repeats), every weight, buffer
-        and activation resident on the GPU (no copy lanes, no offloaded state), and a run long
-        enough for its graphs to pay back (`GRAPH_REPLAYS`)."""
+        graph_safe policy whose buffers fill up (else no host state repeats) or whose hooks are
+        graph-safe while they fill (`full`), every weight, buffer and activation resident on
+        the GPU (no copy lanes, no offloaded state), and a run long enough for its graphs to
+        pay back (`GRAPH_REPLAYS`)."""
         p = self.placement
         resident = all(h.tier == "gpu" and not isinstance(h.data, Packed4bit)
                        for hs in self.homes for h in hs.values())
         return (self.Graphs.supports(self.tiers.compute) and p.cuda_graphs
-                and run.policy.graph_safe and layout.evicts and resident
+                and run.policy.graph_safe and (layout.evicts or run.policy.graph_safe_filling)
+                and resident
                 and set(run.cache_tiers) == {"gpu"} and not p.compress_cache
                 and p.act_tier == "gpu"
                 and steps - 1 >= self.GRAPH_REPLAYS)

@@ -4,19 +4,25 @@ Why: at OPT-6.7B a decode step launches about a thousand small kernels, and Pyth
 costs more than the GPU work they do (the first H200 run: 18 ms per step against a 5.4 ms memory
 floor). A graph launches a captured step's kernels in one call.
 
-When a step can be replayed: once every KV buffer is full, a step's launches depend only on
-the buffers' host-side state (their int attributes: fill count, ...) and on tensor contents.
-So graphs are kept per distinct host state (`host_state`). The one counter that moves every
-step, a ring policy's cursor, is kept on the device for a graphed run
-(`KVBuffer.keep_cursor_on_device`): the commits read and advance it there, so it is no part of
-the host state and one graph serves every ring position. Replay runs no Python, so the host
-state a step leaves behind is recorded at capture and set again after each replay, and each
-ring cursor the step advanced is advanced on the host too (its mirror).
+When a step can be replayed: a step's launches depend only on the buffers' host-side state
+(their int attributes: fill count, ...) and on tensor contents. So graphs are kept per
+distinct host state (`host_state`). The counters that move every step are kept on the device
+for a graphed run (`KVBuffer.keep_counters_on_device`): a ring policy's cursor, which the
+commits read and advance there, and a filling buffer's fill count, where the new token is
+written and counted. Neither is part of the host state; a filling buffer's attention span is
+(`KVBuffer.attended`, rounded up to `FILL_SPAN` slots). So one graph serves every ring
+position, and one every FILL_SPAN steps of a filling buffer. Replay runs no Python, so the
+host state a step leaves behind is recorded at capture and set again after each replay, and
+each counter the step moved is moved on the host too (its mirror).
 
 What a policy must do to allow it (`Policy.graph_safe`): its decode hooks change buffer
 tensors in place only (a tensor reassigned during a step would be the capture's, not the
 replay's: `capture` refuses it), keep all other state in the buffers' int/float/bool/str
-attributes, and never synchronise with the host (a capture cannot).
+attributes, and never synchronise with the host (a capture cannot). Steps of a buffer that
+still fills are replayed only for a policy whose hooks leave the new token to `KVBuffer.write`
+and `commit_appended` (`Policy.graph_safe_filling`: `full`); others run them eagerly. A
+filling step's graph attends over its span, masked: the tokens equal the eager run's, the
+logits up to rounding (a longer reduction).
 
 Graphs share one memory pool: replays run one at a time on one stream, so a graph's
 intermediates may reuse another's; each graph's outputs stay allocated with it.
@@ -38,7 +44,8 @@ def host_state(bufs) -> tuple:
 
 
 def _buffer_state(buf) -> tuple:
-    mirrored = {"cursor"} if buf.cursor_at is not None else set()    # the device's is read
+    mirrored = {name for name, kept in (("cursor", buf.cursor_at), ("used", buf.used_at))
+                if kept is not None}                                  # the device's is read
     attrs = tuple((k, v) for k, v in vars(buf).items()
                   if isinstance(v, HOST_TYPES) and k not in mirrored)
     fields = tuple((k, v) for k, v in buf.policy_state.items() if isinstance(v, HOST_TYPES))
@@ -54,15 +61,38 @@ def set_host_state(bufs, state: tuple) -> None:
         buf.policy_state.update(fields)
 
 
-def cursors(bufs) -> list[int | None]:
-    """The host ring cursors of the buffers that own one (a stacked layer's is its stack's)."""
-    return [b.cursor if b.stack is None else None for b in bufs]
+def spans(bufs) -> tuple:
+    """The attention spans of the buffers that keep their fill count on the device: with
+    `host_state`, what a step's launches depend on."""
+    return tuple(b.attended(b.incoming_slot()) for b in bufs if b.used_at is not None)
 
 
-def restore_cursors(bufs, saved: list[int | None]) -> None:
-    for b, c in zip(bufs, saved):
-        if c is not None:
-            b.cursor = c
+def mirrors(bufs) -> list[tuple[int, int] | None]:
+    """The host mirrors (cursor, used) of the buffers that own their counters (a stacked
+    layer's are its stack's)."""
+    return [(b.cursor, b.used) if b.stack is None else None for b in bufs]
+
+
+def restore_mirrors(bufs, saved: list[tuple[int, int] | None]) -> None:
+    for b, m in zip(bufs, saved):
+        if m is not None:
+            b.cursor, b.used = m
+
+
+def moved_mirrors(bufs, before: list[tuple[int, int] | None]) -> tuple:
+    """Per buffer, which device-kept counters a step moved: (cursor advanced, token appended)."""
+    return tuple(m is not None and (b.cursor_at is not None and b.cursor != m[0],
+                                    b.used_at is not None and b.used != m[1])
+                 for b, m in zip(bufs, before))
+
+
+def advance_mirrors(bufs, moved: tuple) -> None:
+    """Move the host mirrors as a replayed step moved the device's counters."""
+    for b, m in zip(bufs, moved):
+        if m and m[0]:
+            b.cursor = b.next_cursor()
+        if m and m[1]:
+            b.used += 1
 
 
 def copy_into(dst, src) -> None:
@@ -99,7 +129,7 @@ class Captured:
     graph: object           # .replay() runs the step's kernels
     outputs: object         # what the step returned at capture, rewritten by each replay
     after: tuple            # the host state the step leaves
-    advanced: tuple         # per buffer: the step advanced its ring cursor (on the device)
+    moved: tuple            # per buffer: the device counters the step moved (moved_mirrors)
 
 
 class DecodeGraphs:
@@ -125,44 +155,42 @@ class DecodeGraphs:
         if not self._warm:
             self._warm = True
             for b in bufs:
-                b.keep_cursor_on_device()
+                b.keep_counters_on_device()
             return self._eager(body, inputs)
-        key = host_state(bufs)
+        state = host_state(bufs)
+        key = state, spans(bufs)
         if self.static is None:
             self.static = clone_inputs(inputs)
         else:
             copy_into(self.static, inputs)
         captured = self.graphs.get(key)
-        if captured is None:             # its Python ran: the host is at the step's after
-            captured = self.capture(bufs, key, body)
-        else:
-            for b, moved in zip(bufs, captured.advanced):
-                if moved:
-                    b.cursor = b.next_cursor()
+        fresh = captured is None
+        if fresh:                        # its Python ran: the host is at the step's after
+            captured = self.graphs[key] = self.capture(bufs, state, body)
         captured.graph.replay()
         set_host_state(bufs, captured.after)
+        if not fresh:
+            advance_mirrors(bufs, captured.moved)
         self.replays += 1
         return captured.outputs
 
-    def capture(self, bufs, key: tuple, body: Callable) -> Captured:
-        """Capture body(static inputs) from host state `key`; its kernels run at the replay
+    def capture(self, bufs, state: tuple, body: Callable) -> Captured:
+        """Capture body(static inputs) from host state `state`; its kernels run at the replay
         that follows (the Python ran here, so the host state is already the step's after)."""
-        before = cursors(bufs)
+        before = mirrors(bufs)
         try:
             graph, outputs = self._record(body)
         except RuntimeError as e:        # e.g. an op the capture does not allow: no kernel
-            set_host_state(bufs, key)    # ran, so putting the host state back undoes the step
-            restore_cursors(bufs, before)
+            set_host_state(bufs, state)  # ran, so putting the host state back undoes the step
+            restore_mirrors(bufs, before)
             raise CaptureFailed(str(e).splitlines()[0]) from e
         after = host_state(bufs)
-        if [a[2] for a in after] != [b[2] for b in key]:
+        if [a[2] for a in after] != [b[2] for b in state]:
             raise RuntimeError("a decode step reassigned a KV buffer tensor, which a CUDA graph "
                                "cannot replay: the policy is not graph_safe (change its "
                                "tensors in place), or run with --cuda-graphs false")
-        advanced = tuple(c is not None and b.cursor != c for b, c in zip(bufs, before))
-        captured = self.graphs[key] = Captured(graph, outputs, after, advanced)
         self.captures += 1
-        return captured
+        return Captured(graph, outputs, after, moved_mirrors(bufs, before))
 
     def _eager(self, body: Callable, inputs):
         current = torch.cuda.current_stream(self.device)
