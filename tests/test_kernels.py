@@ -871,23 +871,30 @@ def test_row_copies_with_a_pinned_table_never_sync(built):
                           (2, 1, 64, 9, 16, 100, 9)])
 def test_page_select_kernel(built, reference_only, dtype, rows, g, d, n_pages, page, sinks,
                             pages):
-    """The kernel sums each bound in its own order and cuBLAS in another, so two pages whose
-    fp32 bounds round apart may swap: per row, the chosen pages must carry the reference's
-    bounds (computed in fp64) position by position up to that rounding, and the same
-    non-candidates (bound -inf, lower page first) where candidates run short."""
     q, summary, limit = random_pages(rows, g, d, n_pages, dtype, "cuda", n_pages + rows)
     poison()
     got = kernels.page_select(q, summary, limit, page, sinks, pages)
     with reference_only():
         want = kernels.page_select(q, summary, limit, page, sinks, pages)
-    assert got.dtype == torch.int64 and got.shape == want.shape
+    assert got.dtype == torch.int64
+    assert_same_pages(got, want, q, summary, limit, page, sinks)
+
+
+def assert_same_pages(got, want, q, summary, limit, page: int, sinks: int):
+    """Two page choices agree up to the rounding of their fp32 bounds: the kernel sums each
+    Quest bound in its own order and cuBLAS in another, so two pages whose bounds round apart
+    may swap. Per row, the chosen pages must carry the same bounds (computed in fp64) position
+    by position within the fp32 sum's rounding (4d x 2^-24 of the terms' size), and the same
+    non-candidates (bound -inf, lower page first) where candidates run short."""
+    assert got.shape == want.shape
+    d = q.shape[-1]
     signed = (q.clamp(min=0).sum(1), q.clamp(max=0).sum(1))     # in q's dtype, as both do
     parts = [s.double().unsqueeze(1) @ summary[:, i].double() for i, s in enumerate(signed)]
     sizes = [s.double().abs().unsqueeze(1) @ summary[:, i].double().abs()
              for i, s in enumerate(signed)]
     bound = (parts[0] + parts[1])[:, 0]                           # (rows, P), fp64
     slack = (sizes[0] + sizes[1])[:, 0].amax(1, keepdim=True) * 4 * d * 2 ** -24
-    firsts = torch.arange(n_pages, device="cuda") * page
+    firsts = torch.arange(summary.shape[-1], device=q.device) * page
     candidate = (firsts < limit.unsqueeze(1)) & (firsts + page > sinks)
     bound = torch.where(candidate, bound, float("-inf"))
     got_bound, want_bound = bound.gather(1, got), bound.gather(1, want)
@@ -896,6 +903,27 @@ def test_page_select_kernel(built, reference_only, dtype, rows, g, d, n_pages, p
     assert torch.equal(got[~finite], want[~finite])              # the fill: lower pages first
     gap = (got_bound - want_bound).abs().where(finite, 0.0)
     assert (gap <= slack).all(), float((gap - slack).max())
+
+
+def test_page_choices_compare_up_to_rounding_not_more():
+    """What the GPU comparison accepts, on a CPU: two pages of equal bound in either order
+    (what two summation orders may do to bounds that round apart), not a chosen page swapped
+    for a lower-bound candidate."""
+    page, sinks, pages = 16, 4, 72
+    q, summary, limit = random_pages(24, 4, 128, 2048, torch.float32, "cpu", 2072)
+    limit[0] = 2048 * page                                        # every page a candidate
+    first = kernels.page_select(q, summary, limit, page, sinks, pages)
+    summary[0, ..., first[0, 1]] = summary[0, ..., first[0, 0]]   # a tie at the top of row 0
+    want = kernels.page_select(q, summary, limit, page, sinks, pages)
+    swapped = want.clone()
+    swapped[0, :2] = want[0, :2].flip(0)
+    assert not torch.equal(swapped, want)
+    assert_same_pages(swapped, want, q, summary, limit, page, sinks)
+    worse = want.clone()
+    worse[0, -1] = next(p for p in range(2048) if p not in want[0].tolist()
+                        and p * page + page > sinks)              # a page not chosen: lower
+    with pytest.raises(AssertionError):
+        assert_same_pages(worse, want, q, summary, limit, page, sinks)
 
 
 @gpu
