@@ -90,7 +90,9 @@ def short_runs(monkeypatch):
 
 @pytest.fixture
 def rerun(monkeypatch, short_runs):
+    """The CPU double of the graphs, attending over a filling buffer's spans as a GPU does."""
     monkeypatch.setattr(Engine, "Graphs", RerunGraphs)
+    monkeypatch.setattr(kv, "SPAN_DEVICES", ("cuda", "cpu"))
 
 
 def run(engine, prompts, steps, policy):
@@ -153,6 +155,7 @@ def test_one_graph_per_span_of_a_filling_buffer(short_runs, monkeypatch, span):
     the fill rounded up to FILL_SPAN slots (masked past the new token), so one capture serves
     each span: at 16, spans 48, 64 and 80 (capacity 80) after the warm-up at 41 slots."""
     monkeypatch.setattr(kv, "FILL_SPAN", span)
+    monkeypatch.setattr(kv, "SPAN_DEVICES", ("cuda", "cpu"))    # as on a GPU
     prompts, policy = rand_prompts([30, 25, 40], seed=3), get_policy("full")
     runs = []
     engine = _engine("llama-gqa", graphs=True)

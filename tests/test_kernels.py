@@ -266,8 +266,9 @@ def test_a_ring_cursor_kept_on_the_device_is_the_one_read(device, cursor, commit
 def test_a_fill_count_kept_on_the_device_is_where_a_token_goes(device, monkeypatch):
     """A filling buffer keeping its fill count on the device (`used_at`, what lets one CUDA
     graph serve a span of filling steps) writes the new token at that count whatever its host
-    int says, counts it there, and attends over the fill rounded up to FILL_SPAN slots."""
+    int says and counts it there; on a GPU it attends over the fill rounded up to FILL_SPAN."""
     monkeypatch.setattr(kv, "FILL_SPAN", 8)
+    monkeypatch.setattr(kv, "SPAN_DEVICES", ("cuda", "cpu"))
     buf = KVBuffer(Layout(21), 3, 4, torch.float32, device)          # 20 committed slots
     buf.used = 5
     buf.keep_counters_on_device()

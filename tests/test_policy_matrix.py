@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flexevict.runtime.engine as engine
+from flexevict.core import kv
 import flexevict.runtime.generation as gen
 from flexevict.errors import UserError
 from flexevict.runtime.generation import Sampling, generate
@@ -31,9 +32,19 @@ def record(monkeypatch):
     return logits, bufs
 
 
+@pytest.fixture(params=["exact", "spans"])
+def fill_spans(request, monkeypatch):
+    """Attention over the exact fill (a CPU), or over 16-slot spans of it as on a GPU
+    (kv.FILL_SPAN: the slots past the new token masked)."""
+    if request.param == "spans":
+        monkeypatch.setattr(kv, "FILL_SPAN", 16)
+        monkeypatch.setattr(kv, "SPAN_DEVICES", ("cuda", "cpu"))
+    return request.param
+
+
 @pytest.mark.parametrize("arch", CONFIGS)
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_whole_sequence_budget_is_bit_identical_to_full(name, arch, monkeypatch):
+def test_whole_sequence_budget_is_bit_identical_to_full(name, arch, monkeypatch, fill_spans):
     if POLICIES[name].logit_scale is not Policy.logit_scale:
         pytest.skip(f"{name} rescales attention logits by design (checked in its own tests)")
     m, ps = model_for(arch), rand_prompts([40, 40], seed=2)
@@ -49,8 +60,44 @@ def test_whole_sequence_budget_is_bit_identical_to_full(name, arch, monkeypatch)
 
 
 @pytest.mark.parametrize("arch", CONFIGS)
+def test_attention_over_spans_gives_the_exact_tokens(arch, monkeypatch):
+    """A filling buffer attending over 16-slot spans (masked past the new token), as every
+    GPU step does, decodes the tokens of one attending over the exact fill; its logits agree
+    up to rounding (a longer masked reduction)."""
+    m, ps = model_for(arch), rand_prompts([40, 33], seed=2)
+    logits, _ = record(monkeypatch)
+    ref = generate(m, ps, 24, get_policy("full"), Sampling(), (), 0)
+    exact = list(logits)
+    logits.clear()
+    monkeypatch.setattr(kv, "FILL_SPAN", 16)
+    monkeypatch.setattr(kv, "SPAN_DEVICES", ("cuda", "cpu"))
+    spans, real = set(), kv.KVBuffer.attended
+    monkeypatch.setattr(kv.KVBuffer, "attended",
+                        lambda self, slot: spans.add(real(self, slot) - slot - 1) or
+                        real(self, slot))
+    assert generate(m, ps, 24, get_policy("full"), Sampling(), (), 0) == ref
+    assert max(spans) > 0 and all(n < 16 for n in spans)    # masked slots past the token
+    for a, b in zip(logits, exact):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
 @pytest.mark.parametrize("name", EVICTING)
-def test_random_trace_invariants(name, arch, monkeypatch, per_layer_commits):
+def test_a_buffer_that_fills_then_evicts_decodes_alike_over_spans(name, arch, monkeypatch):
+    """Prompts shorter than the budget: the buffer fills for a while (a GPU then attends over
+    16-slot spans, as a graphed step does), then evicts; every policy's hooks see the masked
+    slots past the new token as empty, so the tokens are those of the exact fill."""
+    m, ps = model_for(arch), rand_prompts([20, 14], seed=5)
+    policy = get_policy(name, budget_tokens=48)
+    exact = generate(m, ps, 40, policy, Sampling(), (), 0)
+    monkeypatch.setattr(kv, "FILL_SPAN", 16)
+    monkeypatch.setattr(kv, "SPAN_DEVICES", ("cuda", "cpu"))
+    assert generate(m, ps, 40, policy, Sampling(), (), 0) == exact
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+@pytest.mark.parametrize("name", EVICTING)
+def test_random_trace_invariants(name, arch, monkeypatch, per_layer_commits, fill_spans):
     m = model_for(arch)
     ps = rand_prompts([60, 45, 52], seed=3)                     # left padding included
     policy = get_policy(name, budget=0.3)

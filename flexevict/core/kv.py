@@ -64,8 +64,10 @@ class Layout:
 
 
 KV = "kv"               # a Field's dtype: the buffer's K/V dtype
-FILL_SPAN = 256          # slots a filling buffer's graphed step attends in one bucket: one
-                         # capture per 256 steps, at most 255 masked slots read (`attended`)
+FILL_SPAN = 256          # slots a filling buffer's step attends in one bucket on a GPU: one
+                         # CUDA graph per 256 steps, at most 255 masked slots read (`attended`)
+SPAN_DEVICES = ("cuda",)  # where: every GPU path alike (graphed or not, any cache home), so a
+                          # GPU's output never depends on them; a CPU attends the exact fill
 
 
 @dataclass(frozen=True)
@@ -234,12 +236,14 @@ class KVBuffer:
             t.index_fill_(0, at, value)
 
     def attended(self, slot: int) -> int:
-        """Number of leading slots attention reads when the new token sits in `slot`. With the
-        fill count kept on the device, a filling buffer's span is rounded up to `FILL_SPAN`
-        slots (those past the new token are invalid, so masked): the span, not the fill count,
-        then shapes the step, and one CUDA graph serves FILL_SPAN filling steps."""
+        """Number of leading slots attention reads when the new token sits in `slot`. On a GPU
+        a filling buffer's span is rounded up to `FILL_SPAN` slots (those past the new token
+        are invalid, so masked): the span, not the fill count, then shapes the step, so one
+        CUDA graph serves FILL_SPAN filling steps, and an eager step attends as a graphed one
+        does (the same bits)."""
         n = max(self.used, slot + 1)
-        if not self._appends_on_device(slot):
+        if slot != self.used or self.used >= self.capacity or \
+                self.device.type not in SPAN_DEVICES:
             return n
         return min(self.capacity, -(-n // FILL_SPAN) * FILL_SPAN)
 

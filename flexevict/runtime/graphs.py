@@ -20,9 +20,9 @@ tensors in place only (a tensor reassigned during a step would be the capture's,
 replay's: `capture` refuses it), keep all other state in the buffers' int/float/bool/str
 attributes, and never synchronise with the host (a capture cannot). Steps of a buffer that
 still fills are replayed only for a policy whose hooks leave the new token to `KVBuffer.write`
-and `commit_appended` (`Policy.graph_safe_filling`: `full`); others run them eagerly. A
-filling step's graph attends over its span, masked: the tokens equal the eager run's, the
-logits up to rounding (a longer reduction).
+and `commit_appended` (`Policy.graph_safe_filling`: `full`); others run them eagerly. Every
+GPU step of a filling buffer attends over its span, graphed or not, so replays give the eager
+bits.
 
 Graphs share one memory pool: replays run one at a time on one stream, so a graph's
 intermediates may reuse another's; each graph's outputs stay allocated with it.
