@@ -47,6 +47,29 @@ def test_near_full_is_a_five_percent_non_inferiority_margin():
     assert [r["verdict"] for r in near["results"]] == [HOLDS, FAILS]
 
 
+def retrieval(scores):
+    return {"accuracy": float(np.mean(scores)), "items": {"accuracy": list(scores)}}
+
+
+def test_recall_against_full_and_the_best_eviction_policy():
+    """Retrieval within 10% of full's score is a non-inferiority margin; the comparison with
+    eviction is against whichever evicting policy scores best at that budget."""
+    full = np.tile([1.0, 1.0, 0.5, 0.0], 8)                              # 32 items, mean 0.625
+    sel = {("retrieval", "full", 1.0): retrieval(full),
+           ("retrieval", "recall", 0.2): retrieval(full * 0.96),         # -0.025: within 0.0625
+           ("retrieval", "recall", 0.1): retrieval(full * 0.6),          # -0.25: not
+           ("retrieval", "streaming", 0.2): retrieval(full * 0.7),
+           ("retrieval", "h2o", 0.2): retrieval(full * 0.5),
+           ("retrieval", "streaming", 0.1): retrieval(full * 0.3),
+           ("retrieval", "h2o", 0.1): retrieval(full * 0.8)}             # the best at 10%
+    near, best, passkey, ppl = report.claim_recall(sel)
+    assert [(r["budget"], r["verdict"]) for r in near["results"]] == [(0.1, FAILS),
+                                                                       (0.2, HOLDS)]
+    assert [(r["budget"], r["b"], r["verdict"]) for r in best["results"]] == [
+        (0.1, pytest.approx(0.5), FAILS), (0.2, pytest.approx(0.4375), HOLDS)]
+    assert passkey["verdict"] == ppl["verdict"] == "not measured"
+
+
 def test_hashevict_seeds_are_averaged_item_by_item():
     sel = {("ppl", "h2o", 0.5): cell(BASE), ("ppl", "local", 0.5): cell(BASE + 1),
            ("ppl", "hashevict", 0.5): cell(BASE + 0.10),
