@@ -9,9 +9,9 @@ When a step can be replayed: a step's launches depend only on the buffers' host-
 distinct host state (`host_state`). The counters that move every step are kept on the device
 for a graphed run (`KVBuffer.keep_counters_on_device`): a ring policy's cursor, which the
 commits read and advance there, and a filling buffer's fill count, where the new token is
-written and counted. Neither is part of the host state; a filling buffer's attention span is
-(`KVBuffer.attended`, rounded up to `FILL_SPAN` slots). So one graph serves every ring
-position, and one every FILL_SPAN steps of a filling buffer. Replay runs no Python, so the
+written and counted. Neither is part of the host state; beside it, a graph is keyed by a
+filling buffer's attention span (`spans`: the fill rounded up to `FILL_SPAN` slots). So one
+graph serves every ring position, and one every FILL_SPAN steps of a filling buffer. Replay runs no Python, so the
 host state a step leaves behind is recorded at capture and set again after each replay, and
 each counter the step moved is moved on the host too (its mirror).
 
