@@ -47,11 +47,13 @@ def attended(buf, r):
 def test_the_budget_pays_for_the_summaries_and_a_small_one_is_refused():
     lay = get_policy("recall", budget=0.2).layout(2048, 256)
     assert lay.slots + lay.summaries == math.floor(0.2 * 2304)
-    assert lay.summaries == math.ceil(2304 / 16) and lay.page == 16
+    assert lay.summaries == math.ceil(2304 / 32) and lay.page == 32
     assert lay.prefix == lay.sinks + lay.pages * lay.page and lay.ring >= 64
     assert lay.prefix + lay.ring == lay.capacity
     small = get_policy("recall", budget_tokens=24).layout(40, 20)       # no page of 16 fits
     assert small.page == 8 and small.slots + small.summaries == 24
+    quest = get_policy("recall", budget=0.2, page=16).layout(2048, 256)
+    assert quest.page == 16 and quest.summaries == math.ceil(2304 / 16)
     assert get_policy("recall", budget_tokens=24, page=16).layout(10, 10).evicts is False
     with pytest.raises(UserError, match="leaves no page to recall.*raise budget"):
         get_policy("recall", budget_tokens=24, page=16).layout(40, 20)

@@ -11,9 +11,9 @@ for a graphed run (`KVBuffer.keep_counters_on_device`): a ring policy's cursor, 
 commits read and advance there, and a filling buffer's fill count, where the new token is
 written and counted. Neither is part of the host state; beside it, a graph is keyed by a
 filling buffer's attention span (`spans`: the fill rounded up to `FILL_SPAN` slots). So one
-graph serves every ring position, and one every FILL_SPAN steps of a filling buffer. Replay runs no Python, so the
-host state a step leaves behind is recorded at capture and set again after each replay, and
-each counter the step moved is moved on the host too (its mirror).
+graph serves every ring position, and one every FILL_SPAN steps of a filling buffer. Replay
+runs no Python, so the host state a step leaves behind is recorded at capture and set again
+after each replay, and each counter the step moved is moved on the host too (its mirror).
 
 What a policy must do to allow it (`Policy.graph_safe`): its decode hooks change buffer
 tensors in place only (a tensor reassigned during a step would be the capture's, not the
