@@ -61,7 +61,8 @@ def test_recall_against_full_and_the_best_eviction_policy():
            ("retrieval", "streaming", 0.2): retrieval(full * 0.7),
            ("retrieval", "h2o", 0.2): retrieval(full * 0.5),
            ("retrieval", "streaming", 0.1): retrieval(full * 0.3),
-           ("retrieval", "h2o", 0.1): retrieval(full * 0.8)}             # the best at 10%
+           ("retrieval", "h2o", 0.1): retrieval(full * 0.8),             # the best at 10%
+           ("retrieval", "recall@p64", 0.1): retrieval(full)}            # recall, not eviction
     near, best, passkey, ppl = report.claim_recall(sel)
     assert [(r["budget"], r["verdict"]) for r in near["results"]] == [(0.1, FAILS),
                                                                        (0.2, HOLDS)]

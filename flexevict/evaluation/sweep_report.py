@@ -390,8 +390,9 @@ def claim_recall(sel: dict) -> list[dict]:
 
 
 def best_evicting(sel: dict, tm: tuple, budget: float) -> str | None:
-    """The measured policy other than recall and full with the highest mean at `budget`."""
-    scores = {p: v for t, p, b in sel if t == tm[0] and b == budget and p not in
+    """The measured policy other than recall and full (and their variants, `recall@...`) with
+    the highest mean at `budget`."""
+    scores = {p: v for t, p, b in sel if t == tm[0] and b == budget and p.split("@")[0] not in
               ("recall", "full") and (v := mean_value(sel, tm, p, budget)) is not None}
     return max(scores, key=scores.get) if scores else None
 
