@@ -242,14 +242,17 @@ class KVBuffer:
         CUDA graph serves FILL_SPAN filling steps, and an eager step attends as a graphed one
         does (the same bits)."""
         n = max(self.used, slot + 1)
-        if slot != self.used or self.used >= self.capacity or \
-                self.device.type not in SPAN_DEVICES:
+        if not self._appends(slot) or self.device.type not in SPAN_DEVICES:
             return n
         return min(self.capacity, -(-n // FILL_SPAN) * FILL_SPAN)
 
+    def _appends(self, slot: int) -> bool:
+        """The token in `slot` is appended: it takes the next free slot of a filling buffer."""
+        return slot == self.used < self.capacity
+
     def _appends_on_device(self, slot: int) -> bool:
         """The token in `slot` is appended at the fill count kept on the device."""
-        return self.used_at is not None and slot == self.used < self.capacity
+        return self.used_at is not None and self._appends(slot)
 
     def commit_appended(self, slot: int) -> None:
         """The token written to a free slot stays there."""
