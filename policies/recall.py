@@ -67,7 +67,7 @@ class RecallLayout(Layout):
 
     @property
     def home_tokens(self) -> int:
-        return self.tokens if self.evicts else 0
+        return self.summaries * self.page if self.evicts else 0     # the history, whole pages
 
     def describe(self) -> dict:
         return {**super().describe(), "sinks": self.sinks, "page": self.page,
@@ -136,11 +136,13 @@ class Recall(Policy):
     def fields(self, layout):
         if not layout.evicts:
             return ()
-        t, summaries = layout.tokens, layout.summaries
-        # a page's summary: its keys' elementwise maximum (first d) and minimum (last d), laid
+        summaries, page = layout.summaries, layout.page
+        # the history row-major, a row's pages whole: a page is one contiguous block of
+        # page x d values, so a step's recall copies pages, not tokens (few large copies).
+        # A page's summary: its keys' elementwise maximum (first d) and minimum (last d), laid
         # out for one batched product with [q+, q-] per step
-        return (Field("history_k", (t, "rows", "d"), KV, home=True),
-                Field("history_v", (t, "rows", "d"), KV, home=True),
+        return (Field("history_k", ("rows", summaries * page, "d"), KV, home=True),
+                Field("history_v", ("rows", summaries * page, "d"), KV, home=True),
                 Field("summary", ("rows", 2, "d", summaries), KV))
 
     # ------------------------------------------------------------------ hooks
@@ -153,8 +155,8 @@ class Recall(Policy):
         s = k.shape[0]
         k, v, pos, valid, _ = gather_prompt(left_aligned(valid), k, v, pos, valid)
         state = buf.policy_state
-        state["history_k"][:s] = k
-        state["history_v"][:s] = v
+        state["history_k"][:, :s] = k.transpose(0, 1)
+        state["history_v"][:, :s] = v.transpose(0, 1)
         self._summarise(buf, k, valid)
         real = valid.sum(0)                                        # (rows,)
         at = torch.arange(max(lay.sinks, lay.ring), device=k.device).unsqueeze(1)
@@ -199,7 +201,7 @@ class Recall(Policy):
         state, rows = buf.policy_state, buf.rows_index
         at = buf.pos[slot].to(torch.int64)                          # its position, per row
         key = buf.k[slot]
-        flat = at * rows.shape[0] + rows                # (position, row) in the flat history
+        flat = rows * state["history_k"].shape[1] + at   # (row, position) in the flat history
         put_rows(state["history_k"].view(-1, buf.head_dim), flat, key)
         put_rows(state["history_v"].view(-1, buf.head_dim), flat, buf.v[slot])
         summary, here = state["summary"], at // lay.page
@@ -218,18 +220,19 @@ class Recall(Policy):
 
     def _recall(self, buf, top, at) -> None:
         """Gather the pages `top` (rows, pages) from the history into the recalled region
-        (one index_select of whole head-dim rows per tensor); a slot is valid for a token past
-        the sinks and older than the window."""
+        (one copy of rows x pages blocks of page x d values per tensor); a slot is valid for a
+        token past the sinks and older than the window."""
         lay = buf.layout
         state = buf.policy_state
-        offsets = torch.arange(lay.page, device=top.device).view(1, -1, 1)
-        index = (top.t().unsqueeze(1) * lay.page + offsets).flatten(0, 1)     # (slots, rows)
-        flat = index.clamp(max=lay.tokens - 1) * top.shape[0] + buf.rows_index
+        rows, pages = top.shape
+        block = (buf.rows_index.unsqueeze(1) * lay.summaries + top).flatten()   # (rows x pages)
         region = slice(lay.sinks, lay.prefix)
         for name in ("k", "v"):
-            history = state[f"history_{name}"].view(-1, buf.head_dim)
-            pages = take_rows(history, flat.flatten(), buf.k.device)
-            getattr(buf, name)[region] = pages.view(*index.shape, -1)
+            history = state[f"history_{name}"].view(rows * lay.summaries, -1)
+            got = take_rows(history, block, buf.k.device)       # (rows x pages, page x d)
+            getattr(buf, name)[region] = got.view(rows, pages * lay.page, -1).transpose(0, 1)
+        offsets = torch.arange(lay.page, device=top.device).view(1, -1, 1)
+        index = (top.t().unsqueeze(1) * lay.page + offsets).flatten(0, 1)     # (slots, rows)
         buf.pos[region] = index
         buf.valid[region] = (index >= lay.sinks) & (index < (at - lay.ring).unsqueeze(0))
 

@@ -75,8 +75,8 @@ def test_each_step_attends_sinks_window_and_pages_each_token_once(pads):
             assert len(seen) <= lay.sinks + lay.pages * lay.page + lay.ring + 1
         policy.after_attention(buf, buf.scratch, None)
     # every token of the run is in the history, at its position
-    history = buf.policy_state["history_k"]
-    assert torch.equal(history[:buf.pos[:buf.capacity].max() + 1, 0].isfinite().all(1),
+    history = buf.policy_state["history_k"]                     # (rows, tokens, d)
+    assert torch.equal(history[0, :buf.pos[:buf.capacity].max() + 1].isfinite().all(1),
                        torch.ones(90 - pads[0] + 25, dtype=torch.bool))
 
 
@@ -97,7 +97,7 @@ def test_the_pages_recalled_are_those_of_highest_quest_bound():
                 tokens = range(p * lay.page, min((p + 1) * lay.page, now + 1))
                 if p * lay.page >= now - lay.ring or (p + 1) * lay.page <= lay.sinks:
                     continue
-                keys = hist[list(tokens), r]
+                keys = hist[r, list(tokens)]
                 lo, hi = keys.min(0).values, keys.max(0).values
                 bounds[p] = sum(float(torch.maximum(q[r, h] * lo, q[r, h] * hi).sum())
                                 for h in range(G))
@@ -116,8 +116,8 @@ def test_a_far_token_the_query_needs_comes_back():
     buf, g = prefilled(policy, 300, 20, seed=5)
     direction = torch.randn(ROWS, D, generator=g)
     needle = 40
-    buf.policy_state["history_k"][needle] = 8 * direction
-    policy._summarise(buf, buf.policy_state["history_k"][:300],
+    buf.policy_state["history_k"][:, needle] = 8 * direction
+    policy._summarise(buf, buf.policy_state["history_k"][:, :300].transpose(0, 1),
                       torch.ones(300, ROWS, dtype=torch.bool))
     assert all(needle not in attended(buf, r) for r in range(ROWS))
     step(policy, buf, g, q=direction.unsqueeze(1).expand(ROWS, G, D).contiguous())
