@@ -513,7 +513,8 @@ Tensor dequantize_4bit(const Tensor& packed, const Tensor& mins, const Tensor& s
 }
 
 // table (N, ...) on the GPU or in pinned host memory; rows (n, ...) on the GPU with table's row
-// shape and dtype; index (n,) int64 on rows' GPU, every entry in [0, N) (the caller checks).
+// shape and dtype; index (n,) int64 on rows' GPU, entries below N (the caller checks); a
+// gather leaves the rows of negative entries as they are.
 void copy_rows(Tensor& table, Tensor& rows, const Tensor& index, bool scatter, int64_t stream) {
   check_device(rows, "rows", rows);
   check_device(index, "index", rows);

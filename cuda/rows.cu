@@ -3,6 +3,8 @@
 // the history in the CPU tier, and its per-step append, without a copy of the index to the host
 // (a host synchronisation) or a staging copy of the rows.
 //   gather:  dst[i] = table[index[i]]        scatter: table[index[i]] = src[i]
+// An entry outside [0, table rows) moves nothing: a negative index leaves dst[i] as it is
+// (recall's pages that stay in place are not read again).
 // Rows are `row_bytes` bytes; the kernel moves them in the widest words that divide the row and
 // both base addresses, one thread per word, so a row's words are read by neighbouring threads.
 #include "common.cuh"

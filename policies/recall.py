@@ -17,12 +17,16 @@ d-vectors per page, a page's summary costs one slot, so `slots = floor(budget (P
 ceil((P + G) / page)` hold tokens.
 
 Layout of a row's committed slots: [0, sinks) the first tokens, [sinks, sinks + pages * page)
-the recalled pages (refilled every step, never stored back), then the window, a ring of the
-most recent tokens (every leftover slot). A token's history index is its position (real tokens
-counted from 0), so pages, sinks and window are per row and never depend on a batch-mate's
-padding. A recalled slot is valid only for tokens older than the window and past the sinks, so
-no token is attended twice. A budget that holds the whole sequence evicts nothing and runs
-exactly as `full`.
+the recalled pages, then the window, a ring of the most recent tokens (every leftover slot).
+A page chosen again keeps its place and is not copied again; the region is stored with the
+buffer, so where the cache has a home in another tier, the buffer's load brings last step's
+pages back on the load lane, overlapped with the previous layer's compute, and the step
+fetches only the pages that changed (`place_pages`).
+
+A token's history index is its position (real tokens counted from 0), so pages, sinks and
+window are per row and never depend on a batch-mate's padding. A recalled slot is valid only
+for tokens older than the window and past the sinks, so no token is attended twice. A budget
+that holds the whole sequence evicts nothing and runs exactly as `full`.
 
 Notes: policies/README.md#recall
 """
@@ -141,9 +145,11 @@ class Recall(Policy):
         # page x d values, so a step's recall copies pages, not tokens (few large copies).
         # A page's summary: its keys' elementwise maximum (first d) and minimum (last d), laid
         # out for one batched product with [q+, q-] per step
+        # `resident`: the page each place of the recalled region holds (-1: none usable)
         return (Field("history_k", ("rows", summaries * page, "d"), KV, home=True),
                 Field("history_v", ("rows", summaries * page, "d"), KV, home=True),
-                Field("summary", ("rows", 2, "d", summaries), KV))
+                Field("summary", ("rows", 2, "d", summaries), KV),
+                Field("resident", ("rows", layout.pages), torch.int64))
 
     # ------------------------------------------------------------------ hooks
     def prefill(self, buf, k, v, pos, valid, scores=None):
@@ -174,6 +180,7 @@ class Recall(Policy):
             t[:lay.sinks], t[window] = first, last
         buf.valid[lay.sinks:lay.prefix] = False               # recalled before each step
         buf.pos[lay.sinks:lay.prefix] = -1
+        state["resident"].fill_(-1)
         buf.score.zero_()
         buf.state.zero_()
         buf.used, buf.ring_start, buf.cursor = lay.capacity, lay.prefix, lay.prefix
@@ -219,30 +226,52 @@ class Recall(Policy):
                            lay.sinks, lay.pages)
 
     def _recall(self, buf, top, at) -> None:
-        """Gather the pages `top` (rows, pages) from the history into the recalled region
-        (one copy of rows x pages blocks of page x d values per tensor); a slot is valid for a
-        token past the sinks and older than the window."""
-        lay = buf.layout
-        state = buf.policy_state
-        rows, pages = top.shape
-        block = (buf.rows_index.unsqueeze(1) * lay.summaries + top).flatten()   # (rows x pages)
+        """Bring the pages `top` (rows, pages) into the recalled region: a page already there
+        from the last step stays in its place and is not copied again (`place_pages`); the
+        others are gathered from the history, token rows straight into the region. A slot is
+        valid for a token past the sinks and older than the window. The region is marked
+        written, so a cache home keeps it: the next step's load brings this step's pages back
+        with the rest of the buffer, on the load lane, overlapped with the previous layer."""
+        lay, state = buf.layout, buf.policy_state
+        placed, fetch = place_pages(state["resident"], top)
+        # a page with tokens not yet in the history (one past the window) is refetched later
+        whole = (placed + 1) * lay.page <= at.unsqueeze(1) + 1
+        state["resident"].copy_(torch.where(whole, placed, -1))
+        offsets = torch.arange(lay.page, device=top.device).view(1, -1, 1)
+        index = (placed.t().unsqueeze(1) * lay.page + offsets).flatten(0, 1)   # (slots, rows)
+        fetched = fetch.t().unsqueeze(1).expand(-1, lay.page, -1).flatten(0, 1)
+        length = state["history_k"].shape[1]
+        flat = torch.where(fetched, buf.rows_index * length + index, -1).flatten()
         region = slice(lay.sinks, lay.prefix)
         for name in ("k", "v"):
-            history = state[f"history_{name}"].view(rows * lay.summaries, -1)
-            got = take_rows(history, block, buf.k.device)       # (rows x pages, page x d)
-            getattr(buf, name)[region] = got.view(rows, pages * lay.page, -1).transpose(0, 1)
-        offsets = torch.arange(lay.page, device=top.device).view(1, -1, 1)
-        index = (top.t().unsqueeze(1) * lay.page + offsets).flatten(0, 1)     # (slots, rows)
-        buf.pos[region] = index
-        buf.valid[region] = (index >= lay.sinks) & (index < (at - lay.ring).unsqueeze(0))
+            history = state[f"history_{name}"].view(-1, buf.head_dim)
+            take_rows(history, flat, getattr(buf, name)[region].view(-1, buf.head_dim))
+        buf.mark(region)
+        valid = (index >= lay.sinks) & (index < (at - lay.ring).unsqueeze(0))
+        buf.valid[region] = valid
+        buf.pos[region] = torch.where(valid, index, -1)
 
     def commit(self, buf, slot):
         """The new token joins the window; the one it replaces stays in the history. The
-        recalled pages are dropped: they are never stored back (a cache home keeps the
-        region empty), the next step recalls its own."""
-        lay = buf.layout
-        if not lay.evicts:
+        recalled pages stay too: the next step keeps those it chooses again."""
+        if not buf.layout.evicts:
             return buf.commit_appended(slot)
         buf.ring_push()
-        buf.valid[lay.sinks:lay.prefix] = False
-        buf.pos[lay.sinks:lay.prefix] = -1
+
+
+def place_pages(resident: torch.Tensor, top: torch.Tensor):
+    """Where this step's pages go in the recalled region: a page already there keeps its
+    place; the others take the places whose pages left, the i-th new page of `top` the i-th
+    freed place. resident (rows, pages): each place's page (-1: none); top (rows, pages): this
+    step's pages, distinct per row. -> (placed (rows, pages): each place's page now, fetch
+    (rows, pages) bool: the places whose page must be copied in). Fixed shapes, no host
+    read: freed places and new pages are equally many in each row."""
+    same = top.unsqueeze(2) == resident.unsqueeze(1)            # (rows, top's i, place j)
+    stays = same.any(1)
+    new = ~same.any(2)
+    freed = torch.sort(stays.to(torch.int8), dim=1, stable=True).indices     # freed first
+    arriving = top.gather(1, torch.sort((~new).to(torch.int8), dim=1, stable=True).indices)
+    first = torch.arange(top.shape[1], device=top.device) < new.sum(1, keepdim=True)
+    placed = resident.scatter(1, freed, torch.where(first, arriving, resident.gather(1, freed)))
+    return placed, ~stays
+

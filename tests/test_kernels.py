@@ -354,8 +354,9 @@ def test_buzz_pass_hand_example():
 
 def test_row_copies_reference():
     table = torch.arange(12.).view(6, 2)
-    assert torch.equal(kernels.take_rows(table, torch.tensor([4, 1, 4]), "cpu"),
-                       torch.tensor([[8., 9.], [2., 3.], [8., 9.]]))
+    out = torch.full((4, 2), -7.)
+    kernels.take_rows(table, torch.tensor([4, 1, -1, 4]), out)      # a negative index: kept
+    assert torch.equal(out, torch.tensor([[8., 9.], [2., 3.], [-7., -7.], [8., 9.]]))
     kernels.put_rows(table, torch.tensor([0, 5]), torch.tensor([[-1., -2.], [-3., -4.]]))
     assert table[0].tolist() == [-1., -2.] and table[5].tolist() == [-3., -4.]
     assert table[1:5].equal(torch.arange(2., 10.).view(4, 2))
@@ -828,8 +829,9 @@ def test_quantize_kernel_propagates_nan_like_the_reference(built, dtype):
                                        (torch.float16, (1,))])
 def test_take_and_put_rows_kernels(built, table_on, dtype, row, monkeypatch):
     """Row gather and scatter between a GPU and a table on it or in host memory (pinned: read
-    and written by the kernel over PCIe; pageable: the reference) equal index_select /
-    index_copy_, on random rows and indices (odd row widths take the narrow-word paths)."""
+    and written by the kernel over PCIe; pageable: the reference) equal index_select (rows of a
+    negative index kept) / index_copy_, on random rows and indices (odd row widths take the
+    narrow-word paths)."""
     if table_on != "pageable-host":              # the kernel must run, not the reference
         for name in ("take_rows", "put_rows"):
             monkeypatch.setattr(ref, name, lambda *a: pytest.fail("the reference ran"))
@@ -840,10 +842,15 @@ def test_take_and_put_rows_kernels(built, table_on, dtype, row, monkeypatch):
     elif table_on == "gpu":
         table = table.cuda()
     index = torch.randperm(1000, generator=gen)[:333]
-    want = table.cpu().index_select(0, index)
+    index[torch.rand(333, generator=gen) < 0.25] = -1               # rows the caller keeps
+    before = torch.randint(0, 250, (333, *row), generator=gen).to(dtype)
+    want = torch.where((index >= 0).view(-1, *(1,) * len(row)),
+                       table.cpu().index_select(0, index.clamp(min=0)), before)
     poison()
-    got = kernels.take_rows(table, index.cuda(), "cuda")
-    assert got.is_cuda and torch.equal(got.cpu(), want)
+    got = before.cuda()
+    kernels.take_rows(table, index.cuda(), got)
+    assert torch.equal(got.cpu(), want)
+    index = torch.randperm(1000, generator=gen)[:333]                 # distinct, for the scatter
     new = torch.randint(0, 250, (333, *row), generator=gen).to(dtype)
     expect = table.cpu().index_copy(0, index, new)
     kernels.put_rows(table, index.cuda(), new.cuda())
@@ -858,7 +865,7 @@ def test_row_copies_with_a_pinned_table_never_sync(built):
     rows = torch.randn(512, 128, device="cuda").half()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        kernels.take_rows(table, index, "cuda")
+        kernels.take_rows(table, index, rows)
         kernels.put_rows(table, torch.randperm(4096, device="cuda")[:100], rows[:100])
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -11,6 +11,8 @@ from tiny import model_for, rand_prompts
 from flexevict.core.kv import KVBuffer
 from flexevict.errors import UserError
 from flexevict.policies import get_policy
+from flexevict.policies import recall as recall_policy
+from flexevict.policies.recall import place_pages
 from flexevict.runtime.generation import Sampling, generate
 
 ROWS, G, D = 2, 2, 8             # buffer rows (kv heads), query heads per kv head, head dim
@@ -107,6 +109,63 @@ def test_the_pages_recalled_are_those_of_highest_quest_bound():
                           zip(region, buf.valid[lay.sinks:lay.prefix, r]) if ok})
             assert got == sorted(best), r
         policy.after_attention(buf, buf.scratch, None)
+
+
+def test_place_pages_keeps_a_page_in_place_and_fills_freed_places_in_order():
+    """Against a test-side loop on random inputs: a page of `top` already resident keeps its
+    place; the new ones go, in top's order, to the places whose page left, in place order;
+    `fetch` marks exactly the places whose page changed."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        rows, pages = 3, int(torch.randint(1, 7, (1,), generator=g))
+        resident = torch.stack([torch.randperm(12, generator=g)[:pages] for _ in range(rows)])
+        resident[torch.rand(rows, pages, generator=g) < 0.2] = -1
+        top = torch.stack([torch.randperm(12, generator=g)[:pages] for _ in range(rows)])
+        placed, fetch = place_pages(resident, top)
+        for r in range(rows):
+            want, chosen = resident[r].tolist(), top[r].tolist()
+            freed = [j for j in range(pages) if want[j] not in chosen]
+            for j, page in zip(freed, [p for p in chosen if p not in want]):
+                want[j] = page
+            assert placed[r].tolist() == want
+            assert fetch[r].tolist() == [j in freed for j in range(pages)]
+
+
+@pytest.mark.parametrize("slots, page, window", [(70, 4, 4), (63, 8, 1)])
+def test_recalled_slots_hold_their_tokens_and_a_page_kept_is_not_copied_again(
+        monkeypatch, slots, page, window):
+    """Step after step every valid recalled slot holds its token's K and V from the history
+    exactly, while only the places whose page changed are copied: the first step copies every
+    page, a step repeating the last query at most the one page that became a candidate (and,
+    with a window shorter than a page, the candidate not yet whole in the history, copied
+    again until it is)."""
+    policy = get_policy("recall", budget_tokens=slots, page=page, sinks=2, window=window)
+    buf, g = prefilled(policy, 120, 30, seed=4, pads=(0, 3))
+    lay, state = buf.layout, buf.policy_state
+    partial = lay.ring < lay.page - 1          # a candidate page may reach past the history
+    assert partial == (slots == 63)
+    copied, real = [], recall_policy.take_rows
+    monkeypatch.setattr(recall_policy, "take_rows", lambda table, index, out: (
+        copied.append(int((index >= 0).sum())), real(table, index, out)))
+    q, direction = None, torch.randn(ROWS, D, generator=g)
+    for i in range(30):
+        if i < 18:                                  # random queries, every third repeated
+            _, q = step(policy, buf, g, q=q if i % 3 == 2 else None)
+        else:       # new keys along the query: the newest candidate page scores highest
+            step(policy, buf, g, key=4 * direction, q=direction.unsqueeze(1).repeat(1, G, 1))
+        assert copied[-1] == copied[-2]                                # K, then V
+        if i == 0:
+            assert copied[-1] == lay.pages * lay.page * ROWS               # every page
+        elif i % 3 == 2:
+            assert copied[-1] <= (1 + partial) * lay.page * ROWS
+        for s in range(lay.sinks, lay.prefix):
+            for r in range(ROWS):
+                if buf.valid[s, r]:
+                    at = int(buf.pos[s, r])
+                    assert torch.equal(buf.k[s, r], state["history_k"][r, at])
+                    assert torch.equal(buf.v[s, r], state["history_v"][r, at])
+        policy.after_attention(buf, buf.scratch, None)
+    assert max(copied[4:24:6]) < copied[0]
 
 
 def test_a_far_token_the_query_needs_comes_back():

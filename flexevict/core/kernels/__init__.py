@@ -343,19 +343,19 @@ def page_select(q, summary, limit, page: int, sinks: int, pages: int) -> torch.T
 
 # ------------------------------------------------------------------------------ row copies
 
-def take_rows(table: torch.Tensor, index: torch.Tensor, device) -> torch.Tensor:
-    """table[index] on `device`: table (N, ...), index (n,) int64 with entries in [0, N) ->
-    (n, ...). With `device` a GPU and the table on it or in pinned host memory, one kernel
-    reads the rows where they are (over PCIe for a host table): the index never visits the
-    host, so the step does not synchronise (recall's page gather). Otherwise `index_select`
-    where the table lives and a copy."""
-    device = torch.device(device)
-    module = _rows_module(table, index, device)
-    if module is None:
-        return reference.take_rows(table, index, device)
-    rows = torch.empty((index.shape[0], *table.shape[1:]), dtype=table.dtype, device=index.device)
-    module.copy_rows(table, rows, index.contiguous(), False, ext.stream(rows))
-    return rows
+def take_rows(table: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i] = table[index[i]] for every index[i] >= 0; a row whose index is negative is left
+    as it is (the caller holds it already: recall's pages that stay). table (N, ...), index
+    (n,) int64 with entries below N, out (n, ...) of the table's row shape and dtype, where the
+    rows are wanted. With `out` on a GPU and the table on it or in pinned host memory, one
+    kernel reads the rows where they are (over PCIe for a host table, the skipped ones not at
+    all) and writes them into `out`: the index never visits the host, so the step does not
+    synchronise (recall's page gather). Otherwise `index_select` where the table lives, a copy
+    and a merge."""
+    module = _rows_module(table, index, out.device)
+    if module is None or not out.is_contiguous():
+        return reference.take_rows(table, index, out)
+    module.copy_rows(table, out, index.contiguous(), False, ext.stream(out))
 
 
 def put_rows(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:

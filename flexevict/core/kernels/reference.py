@@ -247,11 +247,14 @@ def _page_firsts(n_pages: int, page: int, sinks: int, device: str):
     return firsts, firsts + page > sinks
 
 
-def take_rows(table: torch.Tensor, index: torch.Tensor, device) -> torch.Tensor:
-    """table[index] on `device`: table (N, ...), index (n,) int64 -> (n, ...). The gather runs
-    where the table lives (the index goes there first: from a GPU to a CPU table, a host
-    synchronisation), then the rows move to `device`."""
-    return _to(table.index_select(0, _to(index, table.device)), torch.device(device))
+def take_rows(table: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i] = table[index[i]] where index[i] >= 0, else out[i] unchanged: table (N, ...),
+    index (n,) int64, out (n, ...). The gather runs where the table lives (the index goes there
+    first: from a GPU to a CPU table, a host synchronisation), then the rows move to `out`'s
+    device and are merged in, a fixed-shape select (no data-dependent shape)."""
+    got = _to(table.index_select(0, _to(index.clamp(min=0), table.device)), out.device)
+    keep = (index < 0).view(-1, *(1,) * (out.dim() - 1))
+    torch.where(keep, out, got, out=out)
 
 
 def put_rows(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
