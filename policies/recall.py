@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flexevict.core.kernels import page_select, put_rows, take_rows
+from flexevict.core.kernels import gather_pages, page_select, put_rows
 from flexevict.core.kv import KV, Field, Layout, gather_prompt, left_aligned
 from flexevict.errors import UserError, setting
 from flexevict.policies.base import Policy
@@ -228,25 +228,23 @@ class Recall(Policy):
     def _recall(self, buf, top, at) -> None:
         """Bring the pages `top` (rows, pages) into the recalled region: a page already there
         from the last step stays in its place and is not copied again (`place_pages`); the
-        others are gathered from the history, token rows straight into the region. A slot is
-        valid for a token past the sinks and older than the window. The region is marked
-        written, so a cache home keeps it: the next step's load brings this step's pages back
-        with the rest of the buffer, on the load lane, overlapped with the previous layer."""
+        others are gathered from the history (`gather_pages`). A slot is valid for a token past
+        the sinks and older than the window. The region is marked written, so a cache home
+        keeps it: the next step's load brings this step's pages back with the rest of the
+        buffer, on the load lane, overlapped with the previous layer."""
         lay, state = buf.layout, buf.policy_state
         placed, fetch = place_pages(state["resident"], top)
-        # a page with tokens not yet in the history (one past the window) is refetched later
+        # a page reaching past the new token (a window shorter than a page lets one be a
+        # candidate) holds tokens not yet in the history: not kept, copied again next time
         whole = (placed + 1) * lay.page <= at.unsqueeze(1) + 1
         state["resident"].copy_(torch.where(whole, placed, -1))
+        region = slice(lay.sinks, lay.prefix)
+        incoming = torch.where(fetch, placed, -1)                  # -1: the place keeps its page
+        for name in ("k", "v"):
+            gather_pages(state[f"history_{name}"], incoming, getattr(buf, name)[region])
+        buf.mark(region)
         offsets = torch.arange(lay.page, device=top.device).view(1, -1, 1)
         index = (placed.t().unsqueeze(1) * lay.page + offsets).flatten(0, 1)   # (slots, rows)
-        fetched = fetch.t().unsqueeze(1).expand(-1, lay.page, -1).flatten(0, 1)
-        length = state["history_k"].shape[1]
-        flat = torch.where(fetched, buf.rows_index * length + index, -1).flatten()
-        region = slice(lay.sinks, lay.prefix)
-        for name in ("k", "v"):
-            history = state[f"history_{name}"].view(-1, buf.head_dim)
-            take_rows(history, flat, getattr(buf, name)[region].view(-1, buf.head_dim))
-        buf.mark(region)
         valid = (index >= lay.sinks) & (index < (at - lay.ring).unsqueeze(0))
         buf.valid[region] = valid
         buf.pos[region] = torch.where(valid, index, -1)

@@ -71,6 +71,12 @@ def check_recall_speed(out, stdout, tmp):
     assert "| recall |" in stdout and "--policy recall --budget 0.5" in stdout
 
 
+def check_recall_reuse(out, stdout, tmp):
+    (r,) = _json(out)["results"]                     # PREFIX.json
+    assert r["steps"] == 2 and r["pages"] > 0 and 0 <= r["share_copied"] <= 1
+    assert r["resolved"]["policy"] == "recall" and "| 0.5 |" in stdout
+
+
 def check_suites(out, stdout, tmp):
     lines = stdout.splitlines()
     assert lines and all(ln.startswith("h2o/opt-") for ln in lines)
@@ -129,6 +135,9 @@ CASES = {
     # full, h2o and recall on a 64-token prompt, 4 tokens
     "recall_speed.py": (["--model", "opt-125m", "--prompt-len", "64", "--gen-len", "4",
                          "--budget", "0.5", "--out", "PREFIX"], check_recall_speed),
+    # SmolLM2 on two 48-token pieces of Hamlet, 4 tokens
+    "recall_reuse.py": (["--prompt-len", "48", "--gen-len", "4", "--batch", "2", "--budget",
+                         "0.5", "--out", "PREFIX"], check_recall_reuse),
     # the GPU calls' plan (every suite of them needs a GPU; the CPU suite takes minutes)
     "suites.py": (["h2o", "--list"], check_suites),
     # where a decode step's GPU time goes; on a CPU only its wall time

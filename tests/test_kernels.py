@@ -352,11 +352,50 @@ def test_buzz_pass_hand_example():
 
 # ---------------------------------------------------------------- 4-bit quantisation
 
+def _pages_by_hand(history, pages, region):
+    """gather_pages by its definition, slot by slot."""
+    want = region.clone()
+    page = region.shape[0] // pages.shape[1]
+    for r in range(pages.shape[0]):
+        for j, p in enumerate(pages[r].tolist()):
+            if p >= 0:
+                want[j * page:(j + 1) * page, r] = history[r, p * page:(p + 1) * page]
+    return want
+
+
+def test_page_gather_reference():
+    """Place j of row r gets page pages[r, j] of row r's history; a place of page -1 keeps
+    what it held."""
+    g = torch.Generator().manual_seed(0)
+    rows, page, d = 3, 4, 5
+    history = torch.randn(rows, 6 * page, d, generator=g)
+    pages = torch.tensor([[5, -1], [0, 2], [-1, -1]])
+    region = torch.randn(2 * page, rows, d, generator=g)
+    want = _pages_by_hand(history, pages, region)
+    kernels.gather_pages(history, pages, region)
+    assert torch.equal(region, want)
+
+
+def test_page_gather_kernels_row_index_fills_the_region_as_the_reference():
+    """The GPU path copies history row index[i] into region row i, skipping negative entries
+    (`copy_rows`); done here by hand with `page_rows`' index, it equals the reference."""
+    g = torch.Generator().manual_seed(1)
+    rows, page, d, places = 4, 3, 2, 5
+    history = torch.randn(rows, 7 * page, d, generator=g)
+    pages = torch.stack([torch.randperm(7, generator=g)[:places] for _ in range(rows)])
+    pages[torch.rand(rows, places, generator=g) < 0.3] = -1
+    region = torch.randn(places * page, rows, d, generator=g)
+    by_rows = region.clone()
+    index = ref.page_rows(pages, page, history.shape[1])
+    for i, at in enumerate(index.tolist()):
+        if at >= 0:
+            by_rows.view(-1, d)[i] = history.view(-1, d)[at]
+    kernels.gather_pages(history, pages, region)
+    assert torch.equal(by_rows, region)
+
+
 def test_row_copies_reference():
     table = torch.arange(12.).view(6, 2)
-    out = torch.full((4, 2), -7.)
-    kernels.take_rows(table, torch.tensor([4, 1, -1, 4]), out)      # a negative index: kept
-    assert torch.equal(out, torch.tensor([[8., 9.], [2., 3.], [-7., -7.], [8., 9.]]))
     kernels.put_rows(table, torch.tensor([0, 5]), torch.tensor([[-1., -2.], [-3., -4.]]))
     assert table[0].tolist() == [-1., -2.] and table[5].tolist() == [-3., -4.]
     assert table[1:5].equal(torch.arange(2., 10.).view(4, 2))
@@ -827,30 +866,17 @@ def test_quantize_kernel_propagates_nan_like_the_reference(built, dtype):
 @pytest.mark.parametrize("dtype,row", [(torch.float16, (128,)), (torch.bfloat16, (2, 64)),
                                        (torch.float32, (3,)), (torch.uint8, (5,)),
                                        (torch.float16, (1,))])
-def test_take_and_put_rows_kernels(built, table_on, dtype, row, monkeypatch):
-    """Row gather and scatter between a GPU and a table on it or in host memory (pinned: read
-    and written by the kernel over PCIe; pageable: the reference) equal index_select (rows of a
-    negative index kept) / index_copy_, on random rows and indices (odd row widths take the
-    narrow-word paths)."""
+def test_put_rows_kernel(built, table_on, dtype, row, monkeypatch):
+    """Row scatter from a GPU into a table on it or in host memory (pinned: written by the
+    kernel over PCIe; pageable: the reference) equals index_copy_, on random rows and indices
+    (odd row widths take the narrow-word paths)."""
     if table_on != "pageable-host":              # the kernel must run, not the reference
-        for name in ("take_rows", "put_rows"):
-            monkeypatch.setattr(ref, name, lambda *a: pytest.fail("the reference ran"))
+        monkeypatch.setattr(ref, "put_rows", lambda *a: pytest.fail("the reference ran"))
     gen = torch.Generator().manual_seed(sum(row) + len(table_on))
     table = torch.randint(0, 250, (1000, *row), generator=gen).to(dtype)
-    if table_on == "pinned-host":
-        table = table.pin_memory()
-    elif table_on == "gpu":
-        table = table.cuda()
+    table = table.pin_memory() if table_on == "pinned-host" else \
+        table.cuda() if table_on == "gpu" else table
     index = torch.randperm(1000, generator=gen)[:333]
-    index[torch.rand(333, generator=gen) < 0.25] = -1               # rows the caller keeps
-    before = torch.randint(0, 250, (333, *row), generator=gen).to(dtype)
-    want = torch.where((index >= 0).view(-1, *(1,) * len(row)),
-                       table.cpu().index_select(0, index.clamp(min=0)), before)
-    poison()
-    got = before.cuda()
-    kernels.take_rows(table, index.cuda(), got)
-    assert torch.equal(got.cpu(), want)
-    index = torch.randperm(1000, generator=gen)[:333]                 # distinct, for the scatter
     new = torch.randint(0, 250, (333, *row), generator=gen).to(dtype)
     expect = table.cpu().index_copy(0, index, new)
     kernels.put_rows(table, index.cuda(), new.cuda())
@@ -859,14 +885,42 @@ def test_take_and_put_rows_kernels(built, table_on, dtype, row, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("history_on", ["pinned-host", "gpu", "pageable-host"])
+@pytest.mark.parametrize("dtype,page,d", [(torch.float16, 32, 128), (torch.bfloat16, 16, 64),
+                                          (torch.float32, 4, 3), (torch.float16, 2, 1)])
+def test_page_gather_kernel(built, history_on, dtype, page, d, monkeypatch):
+    """Recall's page gather from a history on the GPU or in host memory (pinned: read by the
+    kernel over PCIe; pageable: the reference) into a region on the GPU equals the definition
+    on random pages, a quarter of the places keeping what they held (odd head dims take the
+    narrow-word paths)."""
+    if history_on != "pageable-host":            # the kernel must run, not the reference
+        monkeypatch.setattr(ref, "gather_pages", lambda *a: pytest.fail("the reference ran"))
+    gen = torch.Generator().manual_seed(page + d + len(history_on))
+    rows, n_pages, places = 6, 40, 9
+    history = torch.randn(rows, n_pages * page, d, generator=gen).to(dtype)
+    pages = torch.stack([torch.randperm(n_pages, generator=gen)[:places] for _ in range(rows)])
+    pages[torch.rand(rows, places, generator=gen) < 0.25] = -1
+    region = torch.randn(places * page, rows, d, generator=gen).to(dtype)
+    want = _pages_by_hand(history, pages, region)
+    history = history.pin_memory() if history_on == "pinned-host" else \
+        history.cuda() if history_on == "gpu" else history
+    poison()
+    got = region.cuda()
+    kernels.gather_pages(history, pages.cuda(), got)
+    assert torch.equal(got.cpu(), want)
+
+
+@gpu
 def test_row_copies_with_a_pinned_table_never_sync(built):
-    table = torch.randn(4096, 128).half().pin_memory()
-    index = torch.randint(0, 4096, (512,), device="cuda")
-    rows = torch.randn(512, 128, device="cuda").half()
+    history = torch.randn(8, 64 * 16, 128).half().pin_memory()
+    pages = torch.randint(-1, 64, (8, 5), device="cuda")
+    region = torch.randn(5 * 16, 8, 128, device="cuda").half()
+    table = history.view(-1, 128)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        kernels.take_rows(table, index, rows)
-        kernels.put_rows(table, torch.randperm(4096, device="cuda")[:100], rows[:100])
+        kernels.gather_pages(history, pages, region)
+        kernels.put_rows(table, torch.randperm(table.shape[0], device="cuda")[:100],
+                         region.view(-1, 128)[:100])
     finally:
         torch.cuda.set_sync_debug_mode(0)
 

@@ -144,9 +144,9 @@ def test_recalled_slots_hold_their_tokens_and_a_page_kept_is_not_copied_again(
     lay, state = buf.layout, buf.policy_state
     partial = lay.ring < lay.page - 1          # a candidate page may reach past the history
     assert partial == (slots == 63)
-    copied, real = [], recall_policy.take_rows
-    monkeypatch.setattr(recall_policy, "take_rows", lambda table, index, out: (
-        copied.append(int((index >= 0).sum())), real(table, index, out)))
+    copied, real = [], recall_policy.gather_pages
+    monkeypatch.setattr(recall_policy, "gather_pages", lambda history, pages, region: (
+        copied.append(int((pages >= 0).sum()) * lay.page), real(history, pages, region)))
     q, direction = None, torch.randn(ROWS, D, generator=g)
     for i in range(30):
         if i < 18:                                  # random queries, every third repeated

@@ -27,7 +27,7 @@ __all__ = [  # the dispatch functions (kernel or reference) ...
            "backend", "decode_attention", "prefill_attention", "prefill_attention_scores",
            "evict_commit", "ring_commit",
            "hash_codes", "hash_victims", "compact_prompt", "buzz_pass", "cascade_update",
-           "quantize_4bit", "dequantize_4bit", "Packed4bit", "take_rows", "put_rows",
+           "quantize_4bit", "dequantize_4bit", "Packed4bit", "gather_pages", "put_rows",
            "page_select", "hash_replay",
            # ... and reference helpers the policies share (no kernel of their own)
            "WORD_BITS", "CascadeRule", "SubCaches", "accumulate_scores", "at_slots", "buzz_select",
@@ -343,19 +343,34 @@ def page_select(q, summary, limit, page: int, sinks: int, pages: int) -> torch.T
 
 # ------------------------------------------------------------------------------ row copies
 
-def take_rows(table: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-    """out[i] = table[index[i]] for every index[i] >= 0; a row whose index is negative is left
-    as it is (the caller holds it already: recall's pages that stay). table (N, ...), index
-    (n,) int64 with entries below N, out (n, ...) of the table's row shape and dtype, where the
-    rows are wanted. With `out` on a GPU and the table on it or in pinned host memory, one
-    kernel reads the rows where they are (over PCIe for a host table, the skipped ones not at
-    all) and writes them into `out`: the index never visits the host, so the step does not
-    synchronise (recall's page gather). Otherwise `index_select` where the table lives, a copy
-    and a merge."""
-    module = _rows_module(table, index, out.device)
-    if module is None or not out.is_contiguous():
-        return reference.take_rows(table, index, out)
-    module.copy_rows(table, out, index.contiguous(), False, ext.stream(out))
+def gather_pages(history: torch.Tensor, pages: torch.Tensor, region: torch.Tensor) -> None:
+    """Recall's page gather: place j of row r in `region` gets page pages[r, j] of row r's
+    history; a place whose page is -1 keeps what it holds (the page it had stays).
+
+    history (rows, n_pages x page, d), where the cache's home is; pages (rows, P) int64 on the
+    region's device; region (P x page, rows, d): the buffer's recalled slots, place j being
+    slots [j x page, (j + 1) x page). With the region on a GPU and the history on it or in
+    pinned host memory, one kernel copies the pages' token rows straight into the region
+    (`copy_rows`; over PCIe for a host history, the kept places not read at all), so the step
+    does not synchronise. Otherwise the reference: the same rows gathered where the history
+    lives, then merged into the region."""
+    op = "gather_pages"
+    _expect(op, "pages", pages, (None, None), torch.int64, region.device)
+    rows, n = pages.shape
+    page = region.shape[0] // n if n and region.dim() else 0
+    _expect(op, "region", region, (n * page, rows, None))
+    _expect(op, "history", history, (rows, None, region.shape[-1]), region.dtype)
+    if page == 0 or history.shape[1] % page:
+        _fail(op, f"history's {history.shape[1]} tokens per row must be whole pages of the "
+                  f"region's {region.shape[0]} slots / {n} places")
+    if not (region.is_contiguous() and history.is_contiguous()):
+        _fail(op, "history and region must be contiguous (a buffer's slots, a home's field)")
+    module = _rows_module(history, pages, region.device)
+    if module is None:
+        return reference.gather_pages(history, pages, region)
+    d = region.shape[-1]
+    index = reference.page_rows(pages, page, history.shape[1])
+    module.copy_rows(history.view(-1, d), region.view(-1, d), index, False, ext.stream(region))
 
 
 def put_rows(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
