@@ -248,21 +248,17 @@ def _page_firsts(n_pages: int, page: int, sinks: int, device: str):
 
 
 def gather_pages(history: torch.Tensor, pages: torch.Tensor, region: torch.Tensor) -> None:
-    """Recall's page gather (see `kernels.gather_pages`): each row's pages as whole blocks of
-    page x d values, gathered where the history lives (the index goes there first: from a GPU
-    to a CPU history, a host synchronisation), moved to the region's device and written
-    through a view of the region by place, keeping the places of page -1: one pass, where
-    gathering token rows and merging them took 1.1x as long on a CPU.
+    """Recall's page gather (see `kernels.gather_pages`): the kernel's token rows (`page_rows`)
+    gathered where the history lives (the index goes there first: from a GPU to a CPU history,
+    a host synchronisation), moved to the region's device and merged in, the rows of the
+    places of page -1 kept: a fixed-shape select, no data-dependent shape. (Gathering whole
+    pages and writing them through a view of the region by place measured slower in a run.)
     history (rows, n_pages x page, d); pages (rows, P) int64; region (P x page, rows, d)."""
-    rows, n = pages.shape
-    page, d = region.shape[0] // n, region.shape[-1]
-    per_row = history.shape[1] // page
-    first = torch.arange(rows, device=pages.device).unsqueeze(1) * per_row
-    block = _to((first + pages.clamp(min=0)).flatten(), history.device)
-    got = _to(history.view(rows * per_row, page * d).index_select(0, block), region.device)
-    places = region.view(n, page, rows, d).permute(2, 0, 1, 3)          # (rows, P, page, d)
-    torch.where((pages < 0).view(rows, n, 1, 1), places, got.view(rows, n, page, d),
-                out=places)
+    d = region.shape[-1]
+    index = page_rows(pages, region.shape[0] // pages.shape[1], history.shape[1])
+    got = history.view(-1, d).index_select(0, _to(index.clamp(min=0), history.device))
+    slots = region.view(-1, d)
+    torch.where((index < 0).unsqueeze(1), slots, _to(got, region.device), out=slots)
 
 
 def page_rows(pages: torch.Tensor, page: int, length: int) -> torch.Tensor:
