@@ -26,16 +26,15 @@ from flexevict.runtime.generation import Sampling
 
 
 class GatherCount:
-    """Stands in for recall's page gather: counts each call's places copied (page >= 0) and
-    places."""
+    """Stands in for recall's page gather: counts each call's places fetched and places."""
 
     def __init__(self):
         self.calls: list[tuple[int, int]] = []
         self.gather = recall.gather_pages
 
-    def __call__(self, history, pages, region):
-        self.calls.append((int((pages >= 0).sum()), pages.numel()))
-        return self.gather(history, pages, region)
+    def __call__(self, history, pages, fetch, region):
+        self.calls.append((int(fetch.sum()), fetch.numel()))
+        return self.gather(history, pages, fetch, region)
 
 
 def measure(llm: LLM, prompts: list[list[int]], gen_len: int, budget: float) -> dict:

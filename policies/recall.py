@@ -21,7 +21,8 @@ the recalled pages, then the window, a ring of the most recent tokens (every lef
 A page chosen again keeps its place and is not copied again; the region is stored with the
 buffer, so where the cache has a home in another tier, the buffer's load brings last step's
 pages back on the load lane, overlapped with the previous layer's compute, and the step
-fetches only the pages that changed (`place_pages`).
+fetches only the pages that changed (`place_pages`); from a lossy home (a 4-bit compressed
+cache) kept pages come back rounded, so there every page is copied each step.
 
 A token's history index is its position (real tokens counted from 0), so pages, sinks and
 window are per row and never depend on a batch-mate's padding. A recalled slot is valid only
@@ -72,6 +73,10 @@ class RecallLayout(Layout):
     @property
     def home_tokens(self) -> int:
         return self.summaries * self.page if self.evicts else 0     # the history, whole pages
+
+    @property
+    def written_per_step(self) -> int:
+        return 1 + self.pages * self.page         # the new token and the recalled region
 
     def describe(self) -> dict:
         return {**super().describe(), "sinks": self.sinks, "page": self.page,
@@ -238,10 +243,11 @@ class Recall(Policy):
         # candidate) holds tokens not yet in the history: not kept, copied again next time
         whole = (placed + 1) * lay.page <= at.unsqueeze(1) + 1
         state["resident"].copy_(torch.where(whole, placed, -1))
+        if buf.lossy_home:            # the kept pages came back 4-bit: copy them exact again
+            fetch = torch.ones_like(fetch)
         region = slice(lay.sinks, lay.prefix)
-        incoming = torch.where(fetch, placed, -1)                  # -1: the place keeps its page
         for name in ("k", "v"):
-            gather_pages(state[f"history_{name}"], incoming, getattr(buf, name)[region])
+            gather_pages(state[f"history_{name}"], placed, fetch, getattr(buf, name)[region])
         buf.mark(region)
         offsets = torch.arange(lay.page, device=top.device).view(1, -1, 1)
         index = (placed.t().unsqueeze(1) * lay.page + offsets).flatten(0, 1)   # (slots, rows)

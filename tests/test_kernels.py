@@ -364,34 +364,38 @@ def _pages_by_hand(history, pages, region):
 
 
 def test_page_gather_reference():
-    """Place j of row r gets page pages[r, j] of row r's history; a place of page -1 keeps
-    what it held."""
+    """Place j of row r holds page pages[r, j] of row r's history afterwards; the reference
+    copies every page, fetched or not."""
     g = torch.Generator().manual_seed(0)
     rows, page, d = 3, 4, 5
     history = torch.randn(rows, 6 * page, d, generator=g)
-    pages = torch.tensor([[5, -1], [0, 2], [-1, -1]])
+    pages = torch.tensor([[5, 1], [0, 2], [3, 4]])
     region = torch.randn(2 * page, rows, d, generator=g)
     want = _pages_by_hand(history, pages, region)
-    kernels.gather_pages(history, pages, region)
+    kernels.gather_pages(history, pages, torch.rand(rows, 2, generator=g) < 0.5, region)
     assert torch.equal(region, want)
 
 
 def test_page_gather_kernels_row_index_fills_the_region_as_the_reference():
     """The GPU path copies history row index[i] into region row i, skipping negative entries
-    (`copy_rows`); done here by hand with `page_rows`' index, it equals the reference."""
+    (`copy_rows`), with `page_rows`' index of the fetched pages: done here by hand into a
+    region whose other places already hold their pages (the caller's guarantee), it equals the
+    reference, which copies every page."""
     g = torch.Generator().manual_seed(1)
     rows, page, d, places = 4, 3, 2, 5
     history = torch.randn(rows, 7 * page, d, generator=g)
     pages = torch.stack([torch.randperm(7, generator=g)[:places] for _ in range(rows)])
-    pages[torch.rand(rows, places, generator=g) < 0.3] = -1
+    fetch = torch.rand(rows, places, generator=g) < 0.6
     region = torch.randn(places * page, rows, d, generator=g)
-    by_rows = region.clone()
-    index = ref.page_rows(pages, page, history.shape[1])
+    held = _pages_by_hand(history, torch.where(fetch, -1, pages), region)   # kept: in place
+    by_rows = held.clone()
+    index = ref.page_rows(torch.where(fetch, pages, -1), page, history.shape[1])
+    assert int((index >= 0).sum()) == int(fetch.sum()) * page
     for i, at in enumerate(index.tolist()):
         if at >= 0:
             by_rows.view(-1, d)[i] = history.view(-1, d)[at]
-    kernels.gather_pages(history, pages, region)
-    assert torch.equal(by_rows, region)
+    kernels.gather_pages(history, pages, fetch, held)
+    assert torch.equal(by_rows, held)
 
 
 def test_row_copies_reference():
@@ -891,34 +895,37 @@ def test_put_rows_kernel(built, table_on, dtype, row, monkeypatch):
 def test_page_gather_kernel(built, history_on, dtype, page, d, monkeypatch):
     """Recall's page gather from a history on the GPU or in host memory (pinned: read by the
     kernel over PCIe; pageable: the reference) into a region on the GPU equals the definition
-    on random pages, a quarter of the places keeping what they held (odd head dims take the
-    narrow-word paths)."""
+    on random pages; a quarter of the places already hold their page and are not fetched, and
+    the kernel leaves them as they were (poisoned here: a read of them would show)."""
     if history_on != "pageable-host":            # the kernel must run, not the reference
         monkeypatch.setattr(ref, "gather_pages", lambda *a: pytest.fail("the reference ran"))
     gen = torch.Generator().manual_seed(page + d + len(history_on))
     rows, n_pages, places = 6, 40, 9
     history = torch.randn(rows, n_pages * page, d, generator=gen).to(dtype)
     pages = torch.stack([torch.randperm(n_pages, generator=gen)[:places] for _ in range(rows)])
-    pages[torch.rand(rows, places, generator=gen) < 0.25] = -1
+    fetch = torch.rand(rows, places, generator=gen) >= 0.25
     region = torch.randn(places * page, rows, d, generator=gen).to(dtype)
     want = _pages_by_hand(history, pages, region)
+    if history_on != "pageable-host":            # kept places: left untouched by the kernel
+        want = _pages_by_hand(history, torch.where(fetch, pages, -1), region)
     history = history.pin_memory() if history_on == "pinned-host" else \
         history.cuda() if history_on == "gpu" else history
     poison()
     got = region.cuda()
-    kernels.gather_pages(history, pages.cuda(), got)
+    kernels.gather_pages(history, pages.cuda(), fetch.cuda(), got)
     assert torch.equal(got.cpu(), want)
 
 
 @gpu
 def test_row_copies_with_a_pinned_table_never_sync(built):
     history = torch.randn(8, 64 * 16, 128).half().pin_memory()
-    pages = torch.randint(-1, 64, (8, 5), device="cuda")
+    pages = torch.randint(0, 64, (8, 5), device="cuda")
+    fetch = torch.rand(8, 5, device="cuda") < 0.5
     region = torch.randn(5 * 16, 8, 128, device="cuda").half()
     table = history.view(-1, 128)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        kernels.gather_pages(history, pages, region)
+        kernels.gather_pages(history, pages, fetch, region)
         kernels.put_rows(table, torch.randperm(table.shape[0], device="cuda")[:100],
                          region.view(-1, 128)[:100])
     finally:

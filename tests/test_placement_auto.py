@@ -169,6 +169,27 @@ def test_the_cost_model_names_what_binds():
     assert packed.step_s < 0.5 * e.step_s
 
 
+def test_a_cache_home_is_priced_storing_what_a_step_writes_recalls_region_too(monkeypatch):
+    """With the cache homed on the CPU a decode step stores back the K/V it wrote: one slot
+    per row, and for recall its recalled region as well (pages x page slots, kept there so the
+    next step's load brings the pages back)."""
+    from flexevict.policies.recall import RecallLayout
+    p = Placement(100, 0, 0, 100, 100, 0, gpu_batch_size=4)
+
+    def stored(written):
+        monkeypatch.setattr(RecallLayout, "written_per_step", property(written))
+        m = model_for("llama-3-8b", 32768, 32, "recall", 0.1)
+        plan = m.memory_plan(p, 4)
+        return m, m._cache_io(p, plan, plan.sizes, 1)["store"][1]
+    lay = PolicySpec.parse("recall", 0.1).make().layout(32768, 32)
+    assert lay.written_per_step == 1 + lay.pages * lay.page > 1
+    m, region = stored(RecallLayout.written_per_step.fget)
+    _, one_slot = stored(lambda self: 1)
+    c = m.config
+    extra = 2 * lay.pages * lay.page * 4 * c.num_kv_heads * c.dim_head * m.elem
+    assert region - one_slot == pytest.approx(extra / m._store_link("cpu", "gpu"), rel=1e-9)
+
+
 # ------------------------------------------------------------------------------ CLI
 
 @pytest.mark.slow

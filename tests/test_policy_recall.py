@@ -145,8 +145,8 @@ def test_recalled_slots_hold_their_tokens_and_a_page_kept_is_not_copied_again(
     partial = lay.ring < lay.page - 1          # a candidate page may reach past the history
     assert partial == (slots == 63)
     copied, real = [], recall_policy.gather_pages
-    monkeypatch.setattr(recall_policy, "gather_pages", lambda history, pages, region: (
-        copied.append(int((pages >= 0).sum()) * lay.page), real(history, pages, region)))
+    monkeypatch.setattr(recall_policy, "gather_pages", lambda history, pages, fetch, region: (
+        copied.append(int(fetch.sum()) * lay.page), real(history, pages, fetch, region)))
     q, direction = None, torch.randn(ROWS, D, generator=g)
     for i in range(30):
         if i < 18:                                  # random queries, every third repeated
@@ -166,6 +166,32 @@ def test_recalled_slots_hold_their_tokens_and_a_page_kept_is_not_copied_again(
                     assert torch.equal(buf.v[s, r], state["history_v"][r, at])
         policy.after_attention(buf, buf.scratch, None)
     assert max(copied[4:24:6]) < copied[0]
+
+
+def test_pages_that_came_back_through_a_compressed_home_are_copied_again(monkeypatch):
+    """A 4-bit compressed cache home returns the region's K/V rounded, not as written: a load
+    from one flags the buffer (`lossy_home`) and recall then copies every page each step, so
+    its pages stay exact as on any other placement."""
+    from flexevict.runtime.engine import compressed
+    from flexevict.runtime.offload import load_into
+    policy = get_policy("recall", budget_tokens=70, page=4, sinks=2, window=4)
+    buf, g = prefilled(policy, 120, 30, seed=6)
+    work = KVBuffer(buf.layout, ROWS, D, torch.float32, "cpu", fields=policy.fields(buf.layout))
+    home = KVBuffer(buf.layout, ROWS, D, torch.float32, "cpu", fields=policy.fields(buf.layout))
+    load_into(work, home)
+    assert not work.lossy_home
+    home.k, home.v = compressed(home.k, lambda t: t), compressed(home.v, lambda t: t)
+    load_into(work, home)
+    assert work.lossy_home
+    copied, real = [], recall_policy.gather_pages
+    monkeypatch.setattr(recall_policy, "gather_pages", lambda history, pages, fetch, region: (
+        copied.append(int(fetch.sum())), real(history, pages, fetch, region)))
+    buf.lossy_home = True
+    q = torch.randn(ROWS, G, D, generator=g)
+    for _ in range(4):
+        step(policy, buf, g, q=q)                          # one query: pages would stay
+        policy.after_attention(buf, buf.scratch, None)
+    assert copied == [ROWS * buf.layout.pages] * 8
 
 
 def test_a_far_token_the_query_needs_comes_back():

@@ -55,6 +55,12 @@ class Layout:
         (recall's history); memory plans count them. 0 by default."""
         return 0
 
+    @property
+    def written_per_step(self) -> int:
+        """K/V slots per row a decode step writes (and a cache home stores back): the new
+        token's, and recall's recalled region. The cost model prices the store by it."""
+        return 1
+
     def describe(self) -> dict:
         """The resolved budget as printed by every CLI and JSON result."""
         d = {"slots": self.slots}
@@ -115,6 +121,10 @@ class Memory:
 
 class KVBuffer:
     stack: "KVBuffer | None" = None    # LayerRows: the buffer holding every layer's rows
+    # the K/V this buffer carries between steps come back through a lossy home (a 4-bit
+    # compressed cache), not bit for bit as written: set by each load (recall copies its
+    # pages again rather than keep them)
+    lossy_home: bool = False
 
     def __init__(self, layout: Layout, rows: int, head_dim: int, dtype, where: Memory | str,
                  kv_heads: int = 1, layer: int = 0, fields: tuple[Field, ...] = ()):

@@ -123,7 +123,9 @@ class CostModel:
         policy = spec.make()
         self.slots = policy.slots_for(prompt_len, gen_len)
         self.evicts = self.slots < prompt_len + gen_len
-        self.history = policy.layout(prompt_len, gen_len).home_tokens   # recall's
+        layout = policy.layout(prompt_len, gen_len)
+        self.history = layout.home_tokens                 # recall's
+        self.written = layout.written_per_step            # K/V slots a step stores back
         self.ranks_prompt = policy.needs_prompt_scores and self.evicts
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.dev = calibration.device(self.device, dtype)
@@ -455,12 +457,11 @@ class CostModel:
             loads[1] += whole / self._load_link(tier, work)
             if p.compress_cache:
                 loads[0] += kv_full / self._work_cal(work)["dequant_bw"]
-            changed = (full - kv_full) + 2 * b * self.config.num_kv_heads * \
-                self.config.dim_head * self.elem           # state whole, K/V one slot
-            stores[1] += changed / self._store_link(tier, work)
+            written = 2 * self.written * b * self.config.num_kv_heads * \
+                self.config.dim_head * self.elem      # K/V of the slots a step writes
+            stores[1] += (full - kv_full + written) / self._store_link(tier, work)  # state whole
             if p.compress_cache:
-                stores[0] += 2 * b * self.config.num_kv_heads * self.config.dim_head * \
-                    self.elem / self._work_cal(work)["quant_bw"]
+                stores[0] += written / self._work_cal(work)["quant_bw"]
         where = "/".join(sorted({t for t in tiers if t != "gpu"})) or "gpu"
         return {"load": tuple(loads), "store": tuple(stores), "offloaded": offloaded,
                 "term_load": f"cache loading ({where})", "term_store": f"cache storing ({where})"}

@@ -421,6 +421,7 @@ def load_into(work: KVBuffer, home: KVBuffer) -> int:
     for name in COUNTERS:
         setattr(work, name, getattr(home, name))
     work.layer, work.constants, work.dirty = home.layer, home.constants, []
+    work.lossy_home = isinstance(home.k, Packed4bit)
     return home.nbytes() + state
 
 

@@ -343,20 +343,24 @@ def page_select(q, summary, limit, page: int, sinks: int, pages: int) -> torch.T
 
 # ------------------------------------------------------------------------------ row copies
 
-def gather_pages(history: torch.Tensor, pages: torch.Tensor, region: torch.Tensor) -> None:
-    """Recall's page gather: place j of row r in `region` gets page pages[r, j] of row r's
-    history; a place whose page is -1 keeps what it holds (the page it had stays).
+def gather_pages(history: torch.Tensor, pages: torch.Tensor, fetch: torch.Tensor,
+                 region: torch.Tensor) -> None:
+    """Recall's page gather: place j of row r in `region` holds page pages[r, j] of row r's
+    history afterwards. A place where fetch is False already holds exactly that page (the
+    caller's guarantee): the GPU kernel does not read it again; the reference copies every
+    page, the same bytes.
 
-    history (rows, n_pages x page, d), where the cache's home is; pages (rows, P) int64 on the
-    region's device; region (P x page, rows, d): the buffer's recalled slots, place j being
-    slots [j x page, (j + 1) x page). With the region on a GPU and the history on it or in
-    pinned host memory, one kernel copies the pages' token rows straight into the region
-    (`copy_rows`; over PCIe for a host history, the kept places not read at all), so the step
-    does not synchronise. Otherwise the reference: the same rows gathered where the history
-    lives, then merged into the region."""
+    history (rows, n_pages x page, d), where the cache's home is; pages (rows, P) int64 and
+    fetch (rows, P) bool on the region's device; region (P x page, rows, d): the buffer's
+    recalled slots, place j being slots [j x page, (j + 1) x page). With the region on a GPU
+    and the history on it or in pinned host memory, one kernel copies the fetched pages' token
+    rows straight into the region (`copy_rows`; over PCIe for a host history), so the step does
+    not synchronise. Otherwise whole pages are gathered where the history lives and copied in
+    through a view of the region by place."""
     op = "gather_pages"
     _expect(op, "pages", pages, (None, None), torch.int64, region.device)
     rows, n = pages.shape
+    _expect(op, "fetch", fetch, (rows, n), torch.bool, region.device)
     page = region.shape[0] // n if n and region.dim() else 0
     _expect(op, "region", region, (n * page, rows, None))
     _expect(op, "history", history, (rows, None, region.shape[-1]), region.dtype)
@@ -369,7 +373,7 @@ def gather_pages(history: torch.Tensor, pages: torch.Tensor, region: torch.Tenso
     if module is None:
         return reference.gather_pages(history, pages, region)
     d = region.shape[-1]
-    index = reference.page_rows(pages, page, history.shape[1])
+    index = reference.page_rows(torch.where(fetch, pages, -1), page, history.shape[1])
     module.copy_rows(history.view(-1, d), region.view(-1, d), index, False, ext.stream(region))
 
 

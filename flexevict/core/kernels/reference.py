@@ -248,22 +248,25 @@ def _page_firsts(n_pages: int, page: int, sinks: int, device: str):
 
 
 def gather_pages(history: torch.Tensor, pages: torch.Tensor, region: torch.Tensor) -> None:
-    """Recall's page gather (see `kernels.gather_pages`): the kernel's token rows (`page_rows`)
-    gathered where the history lives (the index goes there first: from a GPU to a CPU history,
-    a host synchronisation), moved to the region's device and merged in, the rows of the
-    places of page -1 kept: a fixed-shape select, no data-dependent shape. (Gathering whole
-    pages and writing them through a view of the region by place measured slower in a run.)
+    """Recall's page gather (see `kernels.gather_pages`), every page copied: whole pages as
+    blocks of page x d values, gathered where the history lives (the index goes there first:
+    from a GPU to a CPU history, a host synchronisation), moved to the region's device and
+    copied in through a view of the region by place. Merging only the fetched pages into the
+    region instead took a third of a CPU decode step's recall time more (bench/README.md).
     history (rows, n_pages x page, d); pages (rows, P) int64; region (P x page, rows, d)."""
-    d = region.shape[-1]
-    index = page_rows(pages, region.shape[0] // pages.shape[1], history.shape[1])
-    got = history.view(-1, d).index_select(0, _to(index.clamp(min=0), history.device))
-    slots = region.view(-1, d)
-    torch.where((index < 0).unsqueeze(1), slots, _to(got, region.device), out=slots)
+    rows, n = pages.shape
+    page, d = region.shape[0] // n, region.shape[-1]
+    per_row = history.shape[1] // page
+    first = torch.arange(rows, device=pages.device).unsqueeze(1) * per_row
+    block = _to((first + pages).flatten(), history.device)
+    got = _to(history.view(rows * per_row, page * d).index_select(0, block), region.device)
+    region.view(n, page, rows, d).permute(2, 0, 1, 3).copy_(got.view(rows, n, page, d))
 
 
 def page_rows(pages: torch.Tensor, page: int, length: int) -> torch.Tensor:
-    """The history rows that fill a region, in its (slot, row) order: row r's token t is row
-    r x length + t of the history viewed (rows x length, d); -1 for the places of page -1.
+    """The history rows that fill a region, in its (slot, row) order (the GPU gather's index):
+    row r's token t is row r x length + t of the history viewed (rows x length, d); -1 for the
+    places of page -1 (not copied).
     pages (rows, P) -> (P x page x rows,) int64."""
     offsets = torch.arange(page, device=pages.device).view(1, -1, 1)
     token = pages.t().unsqueeze(1) * page + offsets                 # (P, page, rows); < 0: kept
