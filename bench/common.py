@@ -1,5 +1,6 @@
 """Shared by the scripts in bench/: the package's run metadata and JSON writer, the seed policies,
-and running a command that writes its result as JSON (each benchmark case is its own process).
+running a command that writes its result as JSON (each benchmark case is its own process), and
+writing a comparison's tables and runs.
 
     python bench/common.py      # the run metadata every result here records, for this machine
 """
@@ -34,6 +35,16 @@ def run_json(argv: list[str], out: str) -> dict:
         return {"error": (lines or ["failed"])[-1], "stderr_tail": lines[-40:]}
     with open(out) as f:
         return json.load(f)
+
+
+def write_report(prefix: str, text: str, data: dict) -> None:
+    """A comparison's outputs: PREFIX.md (the tables, `text`), PREFIX.json (`data`, every run)
+    and the tables printed."""
+    with open(prefix + ".md", "w") as f:
+        f.write(text + "\n")
+    with open(prefix + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    print(text)
 
 
 if __name__ == "__main__":

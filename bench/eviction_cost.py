@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from common import SEED_POLICIES  # noqa: E402
+from common import SEED_POLICIES, write_report  # noqa: E402
 from side_by_side import prepare  # noqa: E402
 
 from flexevict.errors import UserError, cli_errors  # noqa: E402
@@ -142,12 +142,8 @@ def main(argv=None):
         commands = {f"{policy}@{g}": "python -m flexevict.bench "
                     + " ".join(bench_argv(policy, g, args)) for policy in policies
                     for g in gen_lens}
-        with open(args.out + ".md", "w") as f:
-            f.write(text + "\n")
-        with open(args.out + ".json", "w") as f:
-            json.dump({"before": trees["before"], "commands": commands, "runs": results}, f,
-                      indent=1)
-        print(text)
+        write_report(args.out, text, {"before": trees["before"], "commands": commands,
+                                      "runs": results})
 
 
 if __name__ == "__main__":

@@ -14,15 +14,20 @@ place). Writes OUT.md and OUT.json.
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import sys
 from unittest import mock
 
-from flexevict.api import LLM
-from flexevict.errors import UserError, cli_errors
-from flexevict.evaluation.tasks import shakespeare_text
-from flexevict.policies import PolicySpec
-from flexevict.policies import recall
-from flexevict.runtime.generation import Sampling
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import write_report  # noqa: E402
+
+from flexevict.api import LLM  # noqa: E402
+from flexevict.errors import UserError, cli_errors  # noqa: E402
+from flexevict.evaluation.tasks import shakespeare_text  # noqa: E402
+from flexevict.policies import PolicySpec  # noqa: E402
+from flexevict.policies import recall  # noqa: E402
+from flexevict.runtime.generation import Sampling  # noqa: E402
 
 
 class GatherCount:
@@ -87,12 +92,7 @@ def main(argv=None):
                             f"--prompt-len; lower either")
         prompts = [ids[i * args.prompt_len:(i + 1) * args.prompt_len] for i in range(args.batch)]
         results = [measure(llm, prompts, args.gen_len, b) for b in args.budget]
-        text = table(results, args)
-        with open(args.out + ".md", "w") as f:
-            f.write(text + "\n")
-        with open(args.out + ".json", "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
-        print(text)
+        write_report(args.out, table(results, args), {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

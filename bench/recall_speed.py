@@ -12,13 +12,13 @@ commands) and OUT.json (every run's bench JSON).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import write_report  # noqa: E402
 from eviction_cost import run_case, this_tree  # noqa: E402
 
 from flexevict.errors import UserError, cli_errors  # noqa: E402
@@ -73,12 +73,7 @@ def main(argv=None):
                 print(f"{policy}: " + (runs[policy]["error"] if "error" in runs[policy] else
                                        f"{runs[policy]['decode_throughput']:.2f} decode token/s"),
                       file=sys.stderr, flush=True)
-        text = table(runs, args)
-        with open(args.out + ".md", "w") as f:
-            f.write(text + "\n")
-        with open(args.out + ".json", "w") as f:
-            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
-        print(text)
+        write_report(args.out, table(runs, args), {"args": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

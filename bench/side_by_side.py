@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+from common import write_report  # noqa: E402
 from suites import SUITES  # noqa: E402
 
 from flexevict.errors import UserError, cli_errors  # noqa: E402
@@ -107,12 +108,8 @@ def main(argv=None):
         trees = {"before": prepare(args.before), "after": ROOT}
         rows = compare(cases, trees, args.rounds)
         text = table(rows, args.rounds, os.path.basename(os.path.abspath(args.before)))
-        with open(args.out + ".md", "w") as f:
-            f.write(text + "\n")
-        with open(args.out + ".json", "w") as f:
-            json.dump({"before": trees["before"], "rounds": args.rounds, "cases": rows}, f,
-                      indent=1)
-        print(text)
+        write_report(args.out, text, {"before": trees["before"], "rounds": args.rounds,
+                                      "cases": rows})
 
 
 if __name__ == "__main__":
