@@ -48,10 +48,10 @@ def measure(llm: LLM, prompts: list[list[int]], gen_len: int, budget: float) -> 
     with mock.patch.object(recall, "gather_pages", count):
         _, resolved = llm.generate_block(prompts, gen_len, Sampling(), PolicySpec("recall", budget),
                                          stop_ids=())
-    per_step = 2 * llm.config.num_layers                  # K's gather, then V's, per layer
-    later = count.calls[per_step::2]                        # K's: V copies the same pages
+    layers = llm.config.num_layers                  # per step and layer: K's gather, then V's
+    later = count.calls[2 * layers::2]                # K's past the first step: V copies the same
     copied, places = sum(c for c, _ in later), sum(n for _, n in later)
-    return {"budget": budget, "resolved": resolved, "steps": len(later) * 2 // per_step,
+    return {"budget": budget, "resolved": resolved, "steps": len(later) // layers,
             "copied_pages": copied, "pages": places,
             "share_copied": copied / places if places else None}
 

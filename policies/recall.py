@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flexevict.core.kernels import gather_pages, page_select, put_rows
+from flexevict.core.kernels import gather_pages, page_select, page_tokens, put_rows
 from flexevict.core.kv import KV, Field, Layout, gather_prompt, left_aligned
 from flexevict.errors import UserError, setting
 from flexevict.policies.base import Policy
@@ -249,8 +249,7 @@ class Recall(Policy):
         for name in ("k", "v"):
             gather_pages(state[f"history_{name}"], placed, fetch, getattr(buf, name)[region])
         buf.mark(region)
-        offsets = torch.arange(lay.page, device=top.device).view(1, -1, 1)
-        index = (placed.t().unsqueeze(1) * lay.page + offsets).flatten(0, 1)   # (slots, rows)
+        index = page_tokens(placed, lay.page)                      # (slots, rows) positions
         valid = (index >= lay.sinks) & (index < (at - lay.ring).unsqueeze(0))
         buf.valid[region] = valid
         buf.pos[region] = torch.where(valid, index, -1)

@@ -21,7 +21,7 @@ from flexevict.core.kernels.reference import (WORD_BITS, CascadeRule, SubCaches,
                                               accumulate_scores, at_slots,
                                               buzz_select, candidate_slots, compaction, hamming,
                                               hash_bits, kv_head_probs, lowest, pack_codes,
-                                              popcount, reduce_heads)
+                                              page_tokens, popcount, reduce_heads)
 
 __all__ = [  # the dispatch functions (kernel or reference) ...
            "backend", "decode_attention", "prefill_attention", "prefill_attention_scores",
@@ -32,7 +32,7 @@ __all__ = [  # the dispatch functions (kernel or reference) ...
            # ... and reference helpers the policies share (no kernel of their own)
            "WORD_BITS", "CascadeRule", "SubCaches", "accumulate_scores", "at_slots", "buzz_select",
            "candidate_slots", "compaction", "hamming", "hash_bits", "kv_head_probs", "lowest",
-           "pack_codes", "popcount", "reduce_heads"]
+           "pack_codes", "page_tokens", "popcount", "reduce_heads"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 COMMITS = {"none": 0, "mask": 1, "replace": 2, "ring": 3}

@@ -252,7 +252,7 @@ def gather_pages(history: torch.Tensor, pages: torch.Tensor, region: torch.Tenso
     blocks of page x d values, gathered where the history lives (the index goes there first:
     from a GPU to a CPU history, a host synchronisation), moved to the region's device and
     copied in through a view of the region by place. Merging only the fetched pages into the
-    region instead took a third of a CPU decode step's recall time more (bench/README.md).
+    region instead cost 6-11% of a CPU decode step (bench/README.md, "Pages kept in place").
     history (rows, n_pages x page, d); pages (rows, P) int64; region (P x page, rows, d)."""
     rows, n = pages.shape
     page, d = region.shape[0] // n, region.shape[-1]
@@ -263,13 +263,20 @@ def gather_pages(history: torch.Tensor, pages: torch.Tensor, region: torch.Tenso
     region.view(n, page, rows, d).permute(2, 0, 1, 3).copy_(got.view(rows, n, page, d))
 
 
+def page_tokens(pages: torch.Tensor, page: int) -> torch.Tensor:
+    """The position of the token in each slot of a recalled region: place j of row r holds
+    tokens [pages[r, j] x page, (pages[r, j] + 1) x page). pages (rows, P) -> (P x page,
+    rows) int64 (negative for a page of -1)."""
+    offsets = torch.arange(page, device=pages.device).view(1, -1, 1)
+    return (pages.t().unsqueeze(1) * page + offsets).flatten(0, 1)
+
+
 def page_rows(pages: torch.Tensor, page: int, length: int) -> torch.Tensor:
     """The history rows that fill a region, in its (slot, row) order (the GPU gather's index):
     row r's token t is row r x length + t of the history viewed (rows x length, d); -1 for the
     places of page -1 (not copied).
     pages (rows, P) -> (P x page x rows,) int64."""
-    offsets = torch.arange(page, device=pages.device).view(1, -1, 1)
-    token = pages.t().unsqueeze(1) * page + offsets                 # (P, page, rows); < 0: kept
+    token = page_tokens(pages, page)                                # (P x page, rows); < 0: kept
     first = torch.arange(pages.shape[0], device=pages.device) * length
     return torch.where(token >= 0, first + token, -1).flatten()
 
