@@ -48,7 +48,7 @@ from flexevict.policies.base import RingPolicy
 
 STATE_BITS = 24         # fp32 holds every integer below 2**24 exactly
 KEY_CHUNK_VALUES = 1 << 20   # replay keys made at once: steps x rows x S fp32, 4 MiB (in cache)
-KEY_CHUNK_VALUES_GPU = 1 << 25   # on a GPU, 128 MiB (twice, transposed): tens of steps a launch
+KEY_CHUNK_VALUES_GPU = 1 << 25   # on a GPU, 128 MiB (twice: the kernel's contiguous copy)
 
 
 # ------------------------------------------------------------------------------ hashing
@@ -68,13 +68,13 @@ def _replay_keys(ks: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     """HashEvict's replay keys for a chunk of c steps over tokens [0, n): key[t, r, x] = n - x
     - (n + 1) / 2 * (q_t . k_x) over +-1 codes, which orders like distance * (n + 1) + n - x
     (the farthest goes, ties: the oldest), since popcount(a ^ b) = (bits - a.b) / 2; exact in
-    fp32 (integers and halves far below 2**24). ks (rows, bits, n) key signs, qs (rows, c,
-    bits) query signs summed over the group -> (c, rows, n), each step's keys contiguous for
-    its gathers."""
+    fp32 (integers and halves far below 2**24), whatever order the GEMM sums in. ks (rows, bits,
+    n) key signs, qs (rows, c, bits) query signs summed over the group -> (c, rows, n), a view
+    of one (rows, c, n) GEMM output: a step's keys are strided, which a CPU's gather reads as
+    fast, and one pass writes them (no scaling or transposing passes)."""
     n = ks.shape[2]
     tie = (n - torch.arange(n, device=ks.device)).to(torch.float32)
-    keys = torch.bmm(qs, ks).mul_(-(n + 1) / 2).add_(tie)
-    return keys.transpose(0, 1).contiguous()
+    return torch.baddbmm(tie, qs, ks, alpha=-(n + 1) / 2).transpose(0, 1)
 
 
 # ------------------------------------------------------------------------------ policy

@@ -313,8 +313,17 @@ def evict_commit(buf: KVBuffer, end: int, cursor: bool = True, value=None,
 
 def hash_codes(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     """SimHash codes: x (..., d) -> (..., words) int64; bit j of the code (bit j % 32 of word
-    j // 32) is 1 iff (R x)_j >= 0 (HashEvict's Heaviside, Eq. 2). proj: R (bits, d) fp32."""
-    return pack_codes(hash_bits(x, proj))
+    j // 32) is 1 iff (R x)_j >= 0 (HashEvict's Heaviside, Eq. 2). proj: R (bits, d) fp32.
+
+    A code of <= 24 bits is packed by a product with the bits' values in fp32, exact (sums of
+    distinct powers of two below 2**24, which TF32 also holds): a CPU decode step's hash in
+    three ops where shifting and summing took five."""
+    bits = proj.shape[0]
+    if bits > FP32_CODE_BITS:
+        return pack_codes(hash_bits(x, proj))
+    values = _bit_values(bits, str(x.device))
+    code = torch.heaviside(x.to(torch.float32) @ proj.t(), values[:1]) @ values  # H(0) = 2**0
+    return code.to(torch.int64).unsqueeze(-1)
 
 
 def hash_bits(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
@@ -331,6 +340,15 @@ def pack_codes(bits: torch.Tensor) -> torch.Tensor:
     words = -(-c // WORD_BITS)
     weighted = F.pad(weighted, (0, words * WORD_BITS - c))
     return weighted.view(*weighted.shape[:-1], words, WORD_BITS).sum(-1)
+
+
+FP32_CODE_BITS = 24      # fp32 holds every integer below 2**24 exactly
+
+
+@functools.lru_cache(maxsize=16)
+def _bit_values(c: int, device: str) -> torch.Tensor:
+    """2**j for j < c, (c,) fp32, made once per width and device."""
+    return (1 << torch.arange(c, device=device)).to(torch.float32)
 
 
 @functools.lru_cache(maxsize=16)
@@ -365,8 +383,11 @@ def popcount(x: torch.Tensor, bits: int = WORD_BITS) -> torch.Tensor:
 def hamming(hq: torch.Tensor, hk: torch.Tensor, bits: int = WORD_BITS) -> torch.Tensor:
     """Distance of every key code to a kv head's query codes, summed over its query heads.
 
-    hq (R, g, words), hk (n, R, words) of `bits`-bit words (<= 32) -> (n, R) int64."""
-    return popcount(hq.unsqueeze(0) ^ hk.unsqueeze(2), bits).sum(dim=(-1, -2))
+    hq (R, g, words), hk (n, R, words) of `bits`-bit words (<= 32) -> (n, R) int64. The
+    XOR is laid out (g, n, R, words), query heads outermost, so its inner loop runs over the
+    rows rather than over a group of two or three: half the time of a CPU decode step's hook."""
+    by_head = hq.transpose(0, 1).contiguous().unsqueeze(1)              # (g, 1, R, words)
+    return popcount(by_head ^ hk.unsqueeze(0), bits).sum(dim=(0, -1))
 
 
 def hash_victims(buf: KVBuffer, query_codes: torch.Tensor, protect: int,
@@ -409,23 +430,27 @@ _NOT_A_CANDIDATE = torch.iinfo(torch.int64).max       # a ring slot other than t
 def hash_replay(keys, pool, live, first: int, ring: int, all_live: int,
                 empty: bool = True) -> None:
     """HashEvict's prompt replay over one chunk of steps t = first .. first + c - 1 (see
-    `kernels.hash_replay`): per step a gather, a max and a scatter. keys (c, rows, n) fp32;
+    `kernels.hash_replay`): per step a gather, an argmax and a scatter. keys (c, rows, n) fp32;
     pool (rows, P + 1) int64, changed in place; live (rows,) int64; empty: a member may be -1
-    (else the clamp and the +1 are skipped)."""
+    (else the clamp and the +1 are skipped).
+
+    The arrival competes from the spare column, so one argmax over P + 1 keys decides: keys of
+    distinct tokens differ (`_replay_keys`), and a -1 member's key is no token's, so the
+    largest is the one `best > arrival` would pick; equal -1 members give the first, as max."""
     npool = pool.shape[1] - 1
-    members = pool[:, :npool]
-    spare = torch.full((pool.shape[0], 1), npool, device=pool.device)
+    arrival = pool[:, npool]
     live = live.unsqueeze(1)
     for i in range(keys.shape[0]):
         t, kt = first + i, keys[i]
-        cand = kt.gather(1, members.clamp(min=0) if empty else members)
+        arrival.fill_(t - ring)
         if empty:                        # a -1 competes as token 0 plus one
-            cand += members < 0
-        best, slot = cand.max(dim=1, keepdim=True)
-        evict = best > kt[:, t - ring:t - ring + 1]      # else the arrival goes
-        if t >= all_live:
-            evict &= t < live
-        pool.scatter_(1, torch.where(evict, slot, spare), t - ring)
+            cand = kt.gather(1, pool.clamp(min=0)).add_(pool < 0)
+        else:
+            cand = kt.gather(1, pool)
+        slot = cand.argmax(dim=1, keepdim=True)
+        if t >= all_live:                # a row past its length keeps its pool
+            slot = torch.where(t < live, slot, npool)
+        pool.scatter_(1, slot, t - ring)
 
 
 # ------------------------------------------------------------------------------ prompt top-k
