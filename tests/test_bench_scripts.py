@@ -71,6 +71,14 @@ def check_recall_speed(out, stdout, tmp):
     assert "| recall |" in stdout and "--policy recall --budget 0.5" in stdout
 
 
+def check_hook_cost(out, stdout, tmp):
+    (r,) = _json(out)["results"]                     # PREFIX.json
+    assert r["policy"] == "hashevict" and len(r["runs"]["before"]) == 1
+    assert all(r["median"][t]["prefill_ms"] > 0 and r["median"][t]["decode_us"] > 0
+               for t in ("before", "after"))
+    assert "| hashevict |" in stdout
+
+
 def check_recall_reuse(out, stdout, tmp):
     (r,) = _json(out)["results"]                     # PREFIX.json
     assert r["steps"] == 2 and r["pages"] > 0 and 0 <= r["share_copied"] <= 1
@@ -132,6 +140,9 @@ CASES = {
     "eviction_cost.py": (["--before", "BEFORE", "--policy", "full", "--policy", "h2o",
                           "--prompt-len", "16", "--gen-len", "4", "--batch", "2",
                           "--out", "PREFIX"], check_eviction_cost),
+    # HashEvict's hooks on a 256-token prompt, 2 timed steps, one round
+    "hook_cost.py": (["--before", "BEFORE", "--policy", "hashevict", "--rounds", "1",
+                      "--prompt-len", "256", "--steps", "2", "--out", "PREFIX"], check_hook_cost),
     # full, h2o and recall on a 64-token prompt, 4 tokens
     "recall_speed.py": (["--model", "opt-125m", "--prompt-len", "64", "--gen-len", "4",
                          "--budget", "0.5", "--out", "PREFIX"], check_recall_speed),
