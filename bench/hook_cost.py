@@ -1,9 +1,9 @@
 """What a policy's hooks cost, apart from the model: its prefill hook and its decode hooks
 (before and after attention) on one layer's bare KV buffer at the eviction-cost case's shapes
 (SmolLM2-135M: batch 8 x 3 kv heads = 24 rows, head dim 64, 3 query heads per kv head; 2048
-prompt tokens, 32 generated, 20% budget), run by two source trees side by side, in alternating
-fresh processes, so a change's effect on the hooks shows where a whole run's noise (+-5% on
-this machine) would hide it.
+prompt tokens + 32 at a 20% budget; --prompt-len and --budget change them), run by two source
+trees side by side, in alternating fresh processes, so a change's effect on the hooks shows
+where a whole run's noise (+-5% on this machine) would hide it.
 
     git worktree add /tmp/before <commit>
     python bench/hook_cost.py --before /tmp/before --policy hashevict --out OUT
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -32,7 +33,8 @@ PROMPT, GEN, BUDGET = 2048, 32, 0.2
 WARM_STEPS = 50
 
 
-def measure(policy_name: str, prompt_len: int = PROMPT, steps: int = 200) -> dict:
+def measure(policy_name: str, prompt_len: int = PROMPT, steps: int = 200,
+            budget: float = BUDGET) -> dict:
     """This process's tree: {prefill_ms, decode_us} of the policy's hooks (module docstring)."""
     import torch
     from flexevict.core.kv import KVBuffer
@@ -42,8 +44,9 @@ def measure(policy_name: str, prompt_len: int = PROMPT, steps: int = 200) -> dic
     torch.set_num_threads(2)
     steady_host_allocator()
     torch.manual_seed(0)
-    policy = get_policy(policy_name, budget=BUDGET)
-    layout = policy.layout(prompt_len, max(GEN, WARM_STEPS + steps))
+    # the case's slots (floor(budget x (prompt + 32))), room in the layout for every step timed
+    policy = get_policy(policy_name, budget_tokens=math.floor(budget * (prompt_len + GEN)))
+    layout = policy.layout(prompt_len, WARM_STEPS + steps)
     buf = KVBuffer(layout, ROWS, HEAD_DIM, torch.float32, "cpu", fields=policy.fields(layout))
     buf.layer = 0
     s = prompt_len
@@ -74,20 +77,21 @@ def measure(policy_name: str, prompt_len: int = PROMPT, steps: int = 200) -> dic
     return {"prefill_ms": min(prefill[1:]) * 1e3, "decode_us": hooks / steps * 1e6}
 
 
-def run_child(tree: str, policy: str, prompt_len: int, steps: int) -> dict:
+def run_child(tree: str, policy: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="2")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", policy,
-                           "--prompt-len", str(prompt_len), "--steps", str(steps)],
+                           "--prompt-len", str(args.prompt_len), "--steps", str(args.steps),
+                           "--budget", str(args.budget)],
                           cwd=tree, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{tree}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def report(rows: list[dict], rounds: int, before: str, prompt_len: int) -> str:
-    lines = [f"## Policy hooks, this tree (after) vs {before} (before)", "",
-             f"One layer's bare buffer, {ROWS} rows, {prompt_len}+{GEN} at {BUDGET:.0%}; median of "
-             f"{rounds} alternating processes per tree.", "",
+def report(rows: list[dict], args) -> str:
+    lines = [f"## Policy hooks, this tree (after) vs {args.before} (before)", "",
+             f"One layer's bare buffer, {ROWS} rows, a {args.prompt_len}-token prompt at "
+             f"{args.budget:.0%}; median of {args.rounds} alternating processes per tree.", "",
              "| policy | prefill hook ms, before / after | after / before | decode hooks us "
              "a step, before / after | after / before |", "|---|---|---|---|---|"]
     for r in rows:
@@ -107,10 +111,11 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=PROMPT)
     ap.add_argument("--steps", type=int, default=200, help="timed decode steps")
+    ap.add_argument("--budget", type=float, default=BUDGET)
     ap.add_argument("--out", metavar="PREFIX", help="writes PREFIX.md and PREFIX.json")
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.child, args.prompt_len, args.steps)))
+        print(json.dumps(measure(args.child, args.prompt_len, args.steps, args.budget)))
         return
     from common import write_report
     from side_by_side import prepare
@@ -126,15 +131,15 @@ def main(argv=None):
             runs = {label: [] for label in trees}
             for r in range(args.rounds):
                 for label, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
-                    runs[label].append(run_child(tree, policy, args.prompt_len, args.steps))
+                    runs[label].append(run_child(tree, policy, args))
                 print(f"round {r + 1}/{args.rounds} {policy}: "
                       f"{ {k: v[-1] for k, v in runs.items()} }", file=sys.stderr)
             median = {label: {key: statistics.median(x[key] for x in v) for key in v[0]}
                       for label, v in runs.items()}
             rows.append({"policy": policy, "runs": runs, "median": median})
-        write_report(args.out, report(rows, args.rounds, args.before, args.prompt_len),
+        write_report(args.out, report(rows, args),
                      {"before": args.before, "rounds": args.rounds, "prompt_len": args.prompt_len,
-                      "steps": args.steps, "results": rows})
+                      "steps": args.steps, "budget": args.budget, "results": rows})
 
 
 if __name__ == "__main__":
