@@ -22,7 +22,8 @@ A page chosen again keeps its place and is not copied again; the region is store
 buffer, so where the cache has a home in another tier, the buffer's load brings last step's
 pages back on the load lane, overlapped with the previous layer's compute, and the step
 fetches only the pages that changed (`place_pages`); from a lossy home (a 4-bit compressed
-cache) kept pages come back rounded, so there every page is copied each step.
+cache) kept pages come back rounded, so there every page is copied each step and the region
+is not stored.
 
 A token's history index is its position (real tokens counted from 0), so pages, sinks and
 window are per row and never depend on a batch-mate's padding. A recalled slot is valid only
@@ -248,7 +249,8 @@ class Recall(Policy):
         region = slice(lay.sinks, lay.prefix)
         for name in ("k", "v"):
             gather_pages(state[f"history_{name}"], placed, fetch, getattr(buf, name)[region])
-        buf.mark(region)
+        if not buf.lossy_home:        # kept by the home for the next load; a lossy home's
+            buf.mark(region)          # copy would not be used (every page is copied again)
         index = page_tokens(placed, lay.page)                      # (slots, rows) positions
         valid = (index >= lay.sinks) & (index < (at - lay.ring).unsqueeze(0))
         buf.valid[region] = valid

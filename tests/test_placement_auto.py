@@ -188,6 +188,13 @@ def test_a_cache_home_is_priced_storing_what_a_step_writes_recalls_region_too(mo
     c = m.config
     extra = 2 * lay.pages * lay.page * 4 * c.num_kv_heads * c.dim_head * m.elem
     assert region - one_slot == pytest.approx(extra / m._store_link("cpu", "gpu"), rel=1e-9)
+    # a compressed (lossy) home keeps no region: recall copies every page again each step
+    packed = dataclass_replace(p, compress_cache=True)
+    plan = m.memory_plan(packed, 4)
+    monkeypatch.setattr(RecallLayout, "written_per_step", property(lambda self: 1))
+    one = model_for("llama-3-8b", 32768, 32, "recall", 0.1)
+    assert m._cache_io(packed, plan, plan.sizes, 1)["store"] == \
+        one._cache_io(packed, one.memory_plan(packed, 4), plan.sizes, 1)["store"]
 
 
 # ------------------------------------------------------------------------------ CLI

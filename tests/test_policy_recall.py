@@ -188,9 +188,12 @@ def test_pages_that_came_back_through_a_compressed_home_are_copied_again(monkeyp
         copied.append(int(fetch.sum())), real(history, pages, fetch, region)))
     buf.lossy_home = True
     q = torch.randn(ROWS, G, D, generator=g)
+    region = slice(buf.layout.sinks, buf.layout.prefix)
     for _ in range(4):
+        buf.dirty = []
         step(policy, buf, g, q=q)                          # one query: pages would stay
         policy.after_attention(buf, buf.scratch, None)
+        assert region not in buf.dirty                     # not stored: never read back
     assert copied == [ROWS * buf.layout.pages] * 8
 
 

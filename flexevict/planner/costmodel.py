@@ -457,7 +457,8 @@ class CostModel:
             loads[1] += whole / self._load_link(tier, work)
             if p.compress_cache:
                 loads[0] += kv_full / self._work_cal(work)["dequant_bw"]
-            written = 2 * self.written * b * self.config.num_kv_heads * \
+            kept = 1 if p.compress_cache else self.written   # a lossy home keeps no region
+            written = 2 * kept * b * self.config.num_kv_heads * \
                 self.config.dim_head * self.elem      # K/V of the slots a step writes
             stores[1] += (full - kv_full + written) / self._store_link(tier, work)  # state whole
             if p.compress_cache:
