@@ -11,7 +11,7 @@ Each run is `python -m flexevict.bench --model smollm2-135m --prompt-len 2048 --
 first on PYTHONPATH; each tree keeps its own calibration cache (FLEXEVICT_CACHE_DIR), so the
 prediction each run prints is its own tree's. Writes OUT.md (the tables) and OUT.json (every
 run's bench JSON). --model, --prompt-len, --gen-len and --batch change the case (the committed
-results use the defaults).
+results use the defaults); --budget (0.2) and `--policy recall` (not a seed policy) too.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from side_by_side import prepare  # noqa: E402
 from flexevict.errors import UserError, cli_errors  # noqa: E402
 
 POLICIES = ("full",) + SEED_POLICIES
+CHOICES = POLICIES + ("recall",)      # recall: not a seed policy, compared with them
 GEN_LENS = (32, 256)
 
 
@@ -47,7 +48,7 @@ def bench_argv(policy: str, gen_len: int, args) -> list[str]:
     argv = ["--model", args.model, "--prompt-len", str(args.prompt_len), "--gen-len",
             str(gen_len), "--gpu-batch-size", str(args.batch), "--threads", "2",
             "--policy", policy]
-    return argv if policy == "full" else argv + ["--budget", "0.2"]
+    return argv if policy == "full" else argv + ["--budget", str(args.budget)]
 
 
 def run_case(tree: str, argv: list[str], scratch: str, cache: str) -> dict:
@@ -86,10 +87,7 @@ def table(results: dict, prompt_len: int, gen_len: int, label: str) -> str:
              "| policy | prefill s | prefill vs full | decode tok/s | eviction (prefill; decode, "
              "share of decode) | total tok/s | total vs full | planner measured / predicted |",
              "|---|---|---|---|---|---|---|---|"]
-    for policy in POLICIES:
-        r = results[label][str(gen_len)].get(policy)
-        if r is None:
-            continue
+    for policy, r in results[label][str(gen_len)].items():
         s = summary(r, results[label][str(gen_len)].get("full"))
         if "error" in s:
             lines.append(f"| {policy} | error: {s['error']} |||||||")
@@ -109,19 +107,22 @@ def table(results: dict, prompt_len: int, gen_len: int, label: str) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--before", required=True, metavar="DIR", help="the other source tree")
-    ap.add_argument("--policy", action="append", default=[], choices=POLICIES,
-                    help="only these policies (default: all seven)")
+    ap.add_argument("--policy", action="append", default=[], choices=CHOICES,
+                    help="only these policies (default: the seven above)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--gen-len", type=int, action="append", default=[],
                     help="generated tokens (repeatable; default 32 and 256)")
     ap.add_argument("--batch", type=int, default=8, help="--gpu-batch-size of every run")
+    ap.add_argument("--budget", type=float, default=0.2, help="every policy's but full's")
     ap.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.md, .json")
     args = ap.parse_args(argv)
     gen_lens = args.gen_len or list(GEN_LENS)
     with cli_errors("bench/eviction_cost.py"):
         if min(args.prompt_len, args.batch, *gen_lens) < 1:
             raise UserError("--prompt-len, --gen-len and --batch must be >= 1")
+        if not 0 < args.budget <= 1:
+            raise UserError(f"--budget must be in (0, 1] (got {args.budget})")
         trees = {"before": prepare(args.before), "after": this_tree()}
         policies = args.policy or list(POLICIES)
         results = {label: {str(g): {} for g in gen_lens} for label in trees}
