@@ -248,22 +248,15 @@ def _page_firsts(n_pages: int, page: int, sinks: int, device: str):
 
 
 def gather_pages(history: torch.Tensor, pages: torch.Tensor, region: torch.Tensor) -> None:
-    """Recall's page gather (see `kernels.gather_pages`), every page copied. On one device,
-    one pass: the pages' token rows selected straight into the region (`page_rows`, the GPU
-    kernel's index), reading the pages and writing the region once each (a step's gather is
-    memory-bound on a CPU; gathering whole pages and then copying them into the region by
-    place moved twice the bytes). From a CPU history into a GPU region (no kernel built): the
-    pages as blocks, gathered where the history lives (the index goes there first, a host
-    synchronisation) and moved in one copy. Merging only the fetched pages into the region
-    instead cost 6-11% of a CPU decode step (bench/README.md, "Pages kept in place").
-    history (rows, n_pages x page, d); pages (rows, P) int64, >= 0; region (P x page, rows, d),
-    both contiguous."""
+    """Recall's page gather (see `kernels.gather_pages`), every page copied: whole pages as
+    blocks of page x d values, gathered where the history lives (the index goes there first:
+    from a GPU to a CPU history, a host synchronisation), moved to the region's device and
+    copied in through a view of the region by place. Merging only the fetched pages into the
+    region instead cost 6-11% of a CPU decode step, and selecting the pages' token rows
+    straight into the region in one pass was no faster (bench/README.md, "Pages kept in place").
+    history (rows, n_pages x page, d); pages (rows, P) int64; region (P x page, rows, d)."""
     rows, n = pages.shape
     page, d = region.shape[0] // n, region.shape[-1]
-    if history.device == region.device:
-        index = page_rows(pages, page, history.shape[1])
-        torch.index_select(history.view(-1, d), 0, index, out=region.view(-1, d))
-        return
     per_row = history.shape[1] // page
     first = torch.arange(rows, device=pages.device).unsqueeze(1) * per_row
     block = _to((first + pages).flatten(), history.device)
