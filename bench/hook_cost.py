@@ -39,6 +39,7 @@ def measure(policy_name: str, prompt_len: int = PROMPT, steps: int = 200,
     import torch
     from flexevict.core.kv import KVBuffer
     from flexevict.core.model import attend
+    from flexevict.planner.calibration import _prefill, _prompt   # the calibration's own
     from flexevict.policies import get_policy
     from flexevict.runtime.allocator import steady_host_allocator
     torch.set_num_threads(2)
@@ -50,15 +51,11 @@ def measure(policy_name: str, prompt_len: int = PROMPT, steps: int = 200,
     buf = KVBuffer(layout, ROWS, HEAD_DIM, torch.float32, "cpu", fields=policy.fields(layout))
     buf.layer = 0
     s = prompt_len
-    k = torch.randn(s, ROWS, HEAD_DIM)
-    pos = torch.arange(s, dtype=torch.int32).unsqueeze(1).expand(s, ROWS).contiguous()
-    valid = torch.ones(s, ROWS, dtype=torch.bool)
-    scores = torch.rand(s, ROWS) if policy.needs_prompt_scores else None
-    extra = {"q": torch.randn(s, ROWS, GROUP, HEAD_DIM)} if policy.needs_prompt_queries else {}
+    prompt = _prompt("cpu", torch.float32, s, ROWS, HEAD_DIM, GROUP)   # k, pos, valid, scores, q
     prefill = []
     for _ in range(4):
         start = time.perf_counter()
-        policy.prefill(buf, k, k.clone(), pos, valid, scores, **extra)
+        _prefill(policy, buf, *prompt)
         prefill.append(time.perf_counter() - start)
     hooks = 0.0
     for step in range(WARM_STEPS + steps):

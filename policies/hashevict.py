@@ -40,13 +40,13 @@ import torch
 
 from flexevict.core import kernels
 from flexevict.errors import UserError, setting
-from flexevict.core.kernels import WORD_BITS, hash_bits, hash_codes, hash_replay, pack_codes
+from flexevict.core.kernels import (FP32_CODE_BITS, WORD_BITS, hash_bits, hash_codes,
+                                    hash_replay, pack_codes)
 from flexevict.core.kv import Field, KVBuffer, gather_prompt, left_aligned
 
 from flexevict.policies.registry import register
 from flexevict.policies.base import RingPolicy
 
-STATE_BITS = 24         # fp32 holds every integer below 2**24 exactly
 KEY_CHUNK_VALUES = 1 << 20   # replay keys made at once: steps x rows x S fp32, 4 MiB (in cache)
 KEY_CHUNK_VALUES_GPU = 1 << 25   # on a GPU, 128 MiB (twice: the kernel's contiguous copy)
 
@@ -116,7 +116,7 @@ class HashEvict(RingPolicy):
     @property
     def in_state(self) -> bool:
         """The codes fit `buf.state` (else the declared field `hash` holds them)."""
-        return self.hash_bits <= STATE_BITS
+        return self.hash_bits <= FP32_CODE_BITS
 
     # ------------------------------------------------------------------ sizing
     def minimum_slots(self) -> int:

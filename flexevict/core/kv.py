@@ -57,8 +57,8 @@ class Layout:
 
     @property
     def written_per_step(self) -> int:
-        """K/V slots per row a decode step writes (and a cache home stores back): the new
-        token's, and recall's recalled region. The cost model prices the store by it."""
+        """K/V slots per row a decode step writes (and a lossless cache home stores back): the
+        new token's, and recall's recalled region. The cost model prices the store by it."""
         return 1
 
     def describe(self) -> dict:

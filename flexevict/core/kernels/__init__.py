@@ -17,7 +17,7 @@ import torch
 from flexevict.core.kernels import ext, reference
 from flexevict.core.kernels.ext import backend
 from flexevict.core.kernels.quant import Packed4bit, dequantize_4bit, quantize_4bit
-from flexevict.core.kernels.reference import (WORD_BITS, CascadeRule, SubCaches,
+from flexevict.core.kernels.reference import (FP32_CODE_BITS, WORD_BITS, CascadeRule, SubCaches,
                                               accumulate_scores, at_slots,
                                               buzz_select, candidate_slots, compaction, hamming,
                                               hash_bits, kv_head_probs, lowest, pack_codes,
@@ -30,9 +30,9 @@ __all__ = [  # the dispatch functions (kernel or reference) ...
            "quantize_4bit", "dequantize_4bit", "Packed4bit", "gather_pages", "put_rows",
            "page_select", "hash_replay",
            # ... and reference helpers the policies share (no kernel of their own)
-           "WORD_BITS", "CascadeRule", "SubCaches", "accumulate_scores", "at_slots", "buzz_select",
-           "candidate_slots", "compaction", "hamming", "hash_bits", "kv_head_probs", "lowest",
-           "pack_codes", "page_tokens", "popcount", "reduce_heads"]
+           "FP32_CODE_BITS", "WORD_BITS", "CascadeRule", "SubCaches", "accumulate_scores",
+           "at_slots", "buzz_select", "candidate_slots", "compaction", "hamming", "hash_bits",
+           "kv_head_probs", "lowest", "pack_codes", "page_tokens", "popcount", "reduce_heads"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 COMMITS = {"none": 0, "mask": 1, "replace": 2, "ring": 3}

@@ -386,7 +386,7 @@ def hamming(hq: torch.Tensor, hk: torch.Tensor, bits: int = WORD_BITS) -> torch.
 
     hq (R, g, words), hk (n, R, words) of `bits`-bit words (<= 32) -> (n, R) int64. The
     XOR is laid out (g, n, R, words), query heads outermost, so its inner loop runs over the
-    rows rather than over a group of two or three: half the time of a CPU decode step's hook."""
+    rows rather than over a group of two or three (half the time on a CPU)."""
     by_head = hq.transpose(0, 1).contiguous().unsqueeze(1)              # (g, 1, R, words)
     return popcount(by_head ^ hk.unsqueeze(0), bits).sum(dim=(0, -1))
 
