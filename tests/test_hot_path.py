@@ -191,6 +191,8 @@ def guard_decode(monkeypatch, guard):
 
     monkeypatch.setattr(Transformer, "_decode_attention", attention)
     monkeypatch.setattr(Transformer, "step_input", step_input)
+    # a CPU's own shortcuts (host reads that cost nothing there) off: the path a GPU takes
+    monkeypatch.setattr(ref, "host_reads_free", lambda t: False)
     return seen
 
 

@@ -363,9 +363,24 @@ def _pages_by_hand(history, pages, region):
     return want
 
 
-def test_page_gather_reference():
-    """Place j of row r holds page pages[r, j] of row r's history afterwards; the reference
-    copies every page, fetched or not."""
+def test_page_gather_reference_on_a_cpu_reads_only_the_places_to_fetch():
+    """Place j of row r holds page pages[r, j] of row r's history afterwards where fetch is
+    set; a CPU leaves the other places as they are (they hold their pages already)."""
+    g = torch.Generator().manual_seed(0)
+    rows, page, d = 3, 4, 5
+    history = torch.randn(rows, 6 * page, d, generator=g)
+    pages = torch.tensor([[5, 1], [0, 2], [3, 4]])
+    fetch = torch.tensor([[True, False], [False, False], [True, True]])
+    region = torch.randn(2 * page, rows, d, generator=g)
+    want = _pages_by_hand(history, torch.where(fetch, pages, -1), region)
+    kernels.gather_pages(history, pages, fetch, region)
+    assert torch.equal(region, want)
+
+
+def test_page_gather_reference_without_host_reads_copies_every_page(monkeypatch):
+    """Where reading `fetch` on the host would synchronise (a GPU's tensors), the reference
+    copies every page, fetched or not: the same region when kept places hold their pages."""
+    monkeypatch.setattr(ref, "host_reads_free", lambda t: False)
     g = torch.Generator().manual_seed(0)
     rows, page, d = 3, 4, 5
     history = torch.randn(rows, 6 * page, d, generator=g)
@@ -380,7 +395,7 @@ def test_page_gather_kernels_row_index_fills_the_region_as_the_reference():
     """The GPU path copies history row index[i] into region row i, skipping negative entries
     (`copy_rows`), with `page_rows`' index of the fetched pages: done here by hand into a
     region whose other places already hold their pages (the caller's guarantee), it equals the
-    reference, which copies every page."""
+    reference."""
     g = torch.Generator().manual_seed(1)
     rows, page, d, places = 4, 3, 2, 5
     history = torch.randn(rows, 7 * page, d, generator=g)

@@ -347,8 +347,7 @@ def gather_pages(history: torch.Tensor, pages: torch.Tensor, fetch: torch.Tensor
                  region: torch.Tensor) -> None:
     """Recall's page gather: place j of row r in `region` holds page pages[r, j] of row r's
     history afterwards. A place where fetch is False already holds exactly that page (the
-    caller's guarantee): the GPU kernel does not read it again; the reference copies every
-    page, the same bytes.
+    caller's guarantee): neither the GPU kernel nor, on a CPU, the reference reads it again.
 
     history (rows, n_pages x page, d), where the cache's home is; pages (rows, P) int64 and
     fetch (rows, P) bool on the region's device; region (P x page, rows, d): the buffer's
@@ -371,7 +370,7 @@ def gather_pages(history: torch.Tensor, pages: torch.Tensor, fetch: torch.Tensor
         _fail(op, "history and region must be contiguous (a buffer's slots, a home's field)")
     module = _rows_module(history, pages, region.device)
     if module is None:
-        return reference.gather_pages(history, pages, region)
+        return reference.gather_pages(history, pages, fetch, region)
     d = region.shape[-1]
     index = reference.page_rows(torch.where(fetch, pages, -1), page, history.shape[1])
     module.copy_rows(history.view(-1, d), region.view(-1, d), index, False, ext.stream(region))
