@@ -9,10 +9,11 @@ where a whole run's noise (+-5% on this machine) would hide it.
     python bench/hook_cost.py --before /tmp/before --policy hashevict --out OUT
 
 Each process times the prefill hook 4 times (the best of the last 3) and the decode hooks over
---steps (200) steps after 50 warm-up steps (their mean), one torch thread per core as the bench's
---threads 2, in the allocator state the engine runs in. Reports each tree's median over the
-rounds and after / before. In a run the hooks are slower than here (caches the model's weights
-have flushed): this compares trees, it does not price a run (the calibration does).
+--steps (200) steps after 50 warm-up steps (their mean; each step's query drifts from the last,
+as a run's do), one torch thread per core as the bench's --threads 2, in the allocator state the
+engine runs in. Reports each tree's median over the rounds and after / before. In a run the
+hooks are slower than here (caches the model's weights have flushed): this compares trees, it
+does not price a run (the calibration does).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ sys.path.insert(0, HERE)
 ROWS, HEAD_DIM, GROUP = 24, 64, 3
 PROMPT, GEN, BUDGET = 2048, 32, 0.2
 WARM_STEPS = 50
+DRIFT = 0.95                 # a decode step's query: DRIFT x the last one's + noise
 
 
 def measure(policy_name: str, prompt_len: int = PROMPT, steps: int = 200,
@@ -57,9 +59,11 @@ def measure(policy_name: str, prompt_len: int = PROMPT, steps: int = 200,
         start = time.perf_counter()
         _prefill(policy, buf, *prompt)
         prefill.append(time.perf_counter() - start)
-    hooks = 0.0
+    hooks, q = 0.0, torch.randn(ROWS, GROUP, HEAD_DIM)
     for step in range(WARM_STEPS + steps):
-        new_k, q = torch.randn(ROWS, HEAD_DIM), torch.randn(ROWS, GROUP, HEAD_DIM)
+        # the query drifts, as a run's do from step to step: recall keeps about 80% of its
+        # pages from one step to the next, as on real text (bench/README.md)
+        new_k, q = torch.randn(ROWS, HEAD_DIM), DRIFT * q + torch.randn(ROWS, GROUP, HEAD_DIM) / 3
         slot = buf.incoming_slot()
         buf.write(slot, new_k, new_k, torch.full((ROWS,), s + step, dtype=torch.int32))
         start = time.perf_counter()

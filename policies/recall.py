@@ -217,10 +217,10 @@ class Recall(Policy):
         flat = rows * state["history_k"].shape[1] + at   # (row, position) in the flat history
         put_rows(state["history_k"].view(-1, buf.head_dim), flat, key)
         put_rows(state["history_v"].view(-1, buf.head_dim), flat, buf.v[slot])
-        summary, here = state["summary"], at // lay.page
-        now = summary[rows, :, :, here]                             # (rows, 2, d)
-        summary[rows, :, :, here] = torch.stack([torch.maximum(now[:, 0], key),
-                                                 torch.minimum(now[:, 1], key)], 1)
+        summary, here = state["summary"], (at // lay.page).view(-1, 1, 1)
+        here, key = here.expand(-1, buf.head_dim, 1), key.unsqueeze(-1)      # (rows, d, 1)
+        summary[:, 0].scatter_reduce_(2, here, key, "amax")          # its page's maximum
+        summary[:, 1].scatter_reduce_(2, here, key, "amin")          # and minimum
         self._recall(buf, self._best_pages(buf, q, at), at)
 
     def _best_pages(self, buf, q, at):
