@@ -5,6 +5,7 @@ Plans for a GPU use the synthetic H100 calibration (datasheet numbers, no GPU ne
 this CPU use the test fixture calibration (tests/calibration_cpu.json, via conftest.py). Nothing
 here asserts a timing."""
 import argparse
+import copy
 import json
 import os
 import re
@@ -432,6 +433,27 @@ def test_a_policys_hook_costs_are_measured_on_first_use(tmp_path, monkeypatch):
     assert hooks["decode"]["fixed_s"] >= 0 and hooks["prefill"]["per_token_row_s"] >= 0
     keys = json.load(open(tmp_path / "c.json"))["policies"]
     assert any(k.endswith(f":tova:[]{calibration.POLICY_COSTS}") for k in keys)
+
+
+def test_a_policys_hook_costs_are_measured_again_when_their_code_changed(tmp_path, monkeypatch):
+    """A cached cost keeps the digest of the code it timed (`hook_code`): the same code is not
+    timed again, changed code is (a stale price would mislead `plan`), and a calibration
+    file read as given (not this machine's cache) serves its entry whatever code timed it."""
+    fixture = calibration.read_file(os.environ["FLEXEVICT_CALIBRATION"])
+    cal = calibration.Calibration(copy.deepcopy(fixture.data), str(tmp_path / "c.json"))
+    cal.data["quick"] = True
+    spec, cpu = PolicySpec.parse("tova", 0.5), torch.device("cpu")
+    first = cal.policy(spec, cpu, torch.float32)
+    assert first["code"] == calibration.hook_code("tova")
+    timed = []
+    monkeypatch.setattr(calibration, "measure_policy", lambda *a: timed.append(a) or {"new": 1})
+    assert cal.policy(spec, cpu, torch.float32) is first and not timed
+    first["code"] = "older"
+    assert cal.policy(spec, cpu, torch.float32)["new"] == 1 and len(timed) == 1
+    read_as_given = calibration.Calibration(cal.data, None, measure_ok=False)
+    tova = next(v for k, v in cal.data["policies"].items() if ":tova:" in k)
+    tova["code"] = "older"
+    assert read_as_given.policy(spec, cpu, torch.float32) is tova and len(timed) == 1
 
 
 @pytest.mark.parametrize("quick", [True, False])

@@ -25,8 +25,9 @@ rate is meant to be a memory or link rate):
 - on a CPU, the real engine on a six-layer probe model, with every weight in memory and with
   every weight streamed from the cpu tier: the cost model scales its CPU compute and streaming
   terms to reproduce those steps (costmodel.CostModel._efficiency).
-- per policy (measured on first use of that policy): its hooks' cost per decode step, fixed and
-  per (slot x row), and its prefill hook per (prompt token x row).
+- per policy (measured on first use of that policy, and again when the code its hooks run has
+  changed since, `hook_code`): its hooks' cost per decode step, fixed and per (slot x row), and
+  its prefill hook per (prompt token x row).
 
 On a machine shared with other work a disturbance lasts seconds, longer than one measurement's
 repeats: the short measurements run in ROUNDS (3) rounds spread over the calibration and keep
@@ -48,6 +49,9 @@ written then), e.g. one written with --out or --synthetic.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 import json
 import math
 import os
@@ -165,12 +169,17 @@ class Calibration:
         key = (f"{torch.device(device).type}:{dtype_name(dtype)}:{spec.name}:{sorted(spec.args)}"
                f"{POLICY_COSTS}")
         table = self.data.setdefault("policies", {})
-        if key not in table:
-            if self.synthetic or not self.measure_ok:
-                return synthetic_policy(self.data)
-            (self.steps or Steps(1))(f"the {spec.name} policy's hooks")
-            table[key] = measure_policy(spec, torch.device(device), dtype, self.quick)
-            self.save()
+        entry, code = table.get(key), hook_code(spec.name)
+        read_only = self.synthetic or not self.measure_ok
+        if entry is not None and (entry.get("code") == code or read_only):
+            return entry            # a file read as given serves whatever code measured it
+        if read_only:
+            return synthetic_policy(self.data)
+        (self.steps or Steps(1))(f"the {spec.name} policy's hooks"
+                                 + (" (their code changed)" if entry else ""))
+        table[key] = measure_policy(spec, torch.device(device), dtype, self.quick) | {
+            "code": code}
+        self.save()
         return table[key]
 
     def _need_measuring(self, what: str):
@@ -978,6 +987,23 @@ def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
 # file: v2 counts the in-cache RoPE rotation (`_policy_decode`); an older entry is measured again
 POLICY_COSTS = ":v2"
 DECODE_STEPS = 24       # decode steps a policy's hooks are timed over (a third when quick)
+
+
+@functools.cache
+def hook_code(name: str) -> str:
+    """A digest of the code policy `name`'s hooks run: the modules of its class and of its
+    bases, the KV buffer's and the kernels' (on a CPU their PyTorch reference). A cost measured
+    with other code is measured again, so a changed policy is never priced by its old self."""
+    from flexevict.core import kernels, kv
+    from flexevict.core.kernels import reference
+    from flexevict.policies import POLICIES
+    modules = {inspect.getmodule(c) for c in POLICIES[name].__mro__} | {kv, kernels, reference}
+    files = sorted(m.__file__ for m in modules if m.__name__.startswith("flexevict."))
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def measure_policy(spec, device, dtype, quick: bool) -> dict:
