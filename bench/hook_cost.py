@@ -32,7 +32,6 @@ sys.path.insert(0, HERE)
 ROWS, HEAD_DIM, GROUP = 24, 64, 3
 PROMPT, GEN, BUDGET = 2048, 32, 0.2
 WARM_STEPS = 50
-DRIFT = 0.95                 # a decode step's query: DRIFT x the last one's + noise
 
 
 def measure(policy_name: str, prompt_len: int = PROMPT, steps: int = 200,
@@ -41,7 +40,7 @@ def measure(policy_name: str, prompt_len: int = PROMPT, steps: int = 200,
     import torch
     from flexevict.core.kv import KVBuffer
     from flexevict.core.model import attend
-    from flexevict.planner.calibration import _prefill, _prompt   # the calibration's own
+    from flexevict.planner.calibration import _prefill, _prompt, drifted   # calibration's
     from flexevict.policies import get_policy
     from flexevict.runtime.allocator import steady_host_allocator
     torch.set_num_threads(2)
@@ -61,9 +60,7 @@ def measure(policy_name: str, prompt_len: int = PROMPT, steps: int = 200,
         prefill.append(time.perf_counter() - start)
     hooks, q = 0.0, torch.randn(ROWS, GROUP, HEAD_DIM)
     for step in range(WARM_STEPS + steps):
-        # the query drifts, as a run's do from step to step: recall keeps about 80% of its
-        # pages from one step to the next, as on real text (bench/README.md)
-        new_k, q = torch.randn(ROWS, HEAD_DIM), DRIFT * q + torch.randn(ROWS, GROUP, HEAD_DIM) / 3
+        new_k, q = torch.randn(ROWS, HEAD_DIM), drifted(q)        # as a run's, and calibration's
         slot = buf.incoming_slot()
         buf.write(slot, new_k, new_k, torch.full((ROWS,), s + step, dtype=torch.int32))
         start = time.perf_counter()
