@@ -987,6 +987,7 @@ def measure_engine_probe(arch: str, device, dtype, quick: bool) -> dict:
 # file: v2 counts the in-cache RoPE rotation (`_policy_decode`), v3 times it with queries that
 # drift from step to step (`drifted`); an older entry is measured again
 POLICY_COSTS = ":v3"
+DECODE_STEPS = 24       # decode steps a policy's hooks are timed over (a third when quick)
 QUERY_DRIFT = 0.95      # a decode step's query: QUERY_DRIFT x the last one's + noise / 3
 
 
@@ -995,7 +996,6 @@ def drifted(q: torch.Tensor) -> torch.Tensor:
     what a policy keeps from step to step (recall: about 80% of its pages, bench/README.md) is
     kept when timed too; a fresh random query every step would make recall fetch every page."""
     return QUERY_DRIFT * q + torch.randn_like(q) / 3
-DECODE_STEPS = 24       # decode steps a policy's hooks are timed over (a third when quick)
 
 
 @functools.cache
