@@ -130,6 +130,11 @@ class Calibration:
         return bool(self.data.get("synthetic"))
 
     @property
+    def read_only(self) -> bool:
+        """Nothing is measured: a synthetic calibration, or a file read as given."""
+        return self.synthetic or not self.measure_ok
+
+    @property
     def quick(self) -> bool:
         return bool(self.data.get("quick"))
 
@@ -153,7 +158,7 @@ class Calibration:
         devices = self.data.setdefault("devices", {})
         if key not in devices:
             alike = [k for k in devices if k.startswith(f"{kind}:")]
-            if alike and (self.synthetic or not self.measure_ok):
+            if alike and self.read_only:
                 return devices[alike[0]]     # a file made elsewhere: the same device, another dtype
             self._need_measuring(key)
             with _threads(self.data["host"].get("threads", torch.get_num_threads())):
@@ -170,10 +175,9 @@ class Calibration:
                f"{POLICY_COSTS}")
         table = self.data.setdefault("policies", {})
         entry, code = table.get(key), hook_code(spec.name)
-        read_only = self.synthetic or not self.measure_ok
-        if entry is not None and (entry.get("code") == code or read_only):
+        if entry is not None and (entry.get("code") == code or self.read_only):
             return entry            # a file read as given serves whatever code measured it
-        if read_only:
+        if self.read_only:
             return synthetic_policy(self.data)
         (self.steps or Steps(1))(f"the {spec.name} policy's hooks"
                                  + (" (their code changed)" if entry else ""))
@@ -183,7 +187,7 @@ class Calibration:
         return table[key]
 
     def _need_measuring(self, what: str):
-        if self.synthetic or not self.measure_ok:
+        if self.read_only:
             src = self.path or "the calibration"
             raise UserError(f"{src} has no measurements for {what} and cannot measure them on "
                             "this machine; give a calibration made on the target machine "
