@@ -272,7 +272,7 @@ def gather_pages(history: torch.Tensor, pages: torch.Tensor, fetch: torch.Tensor
     if host_reads_free(fetch) and history.device.type == "cpu":
         row, place = fetch.nonzero(as_tuple=True)
         got = blocks.index_select(0, row * per_row + pages[row, place])
-        places.index_put_((row, place), _to(got.view(-1, page, d), region.device))
+        places.index_put_((row, place), got.view(-1, page, d))      # fetch, region: CPU
         return
     first = torch.arange(rows, device=pages.device).unsqueeze(1) * per_row
     got = blocks.index_select(0, _to((first + pages).flatten(), history.device))
