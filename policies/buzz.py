@@ -95,10 +95,11 @@ class BuzzLayout(Layout):
         old = -(-old // self.s_hat) + -(-new // self.s)
         return k + w + old, old
 
-    def simulate(self, prompt_len: int, steps: int) -> list[int]:
+    def held(self, steps: int) -> list[int]:
         """Committed tokens of an unpadded row after prefill and after each of `steps` decode
-        steps (the counts follow the rules alone; scores only pick which tokens)."""
-        n, a = prompt_len, 0
+        steps (the counts follow the rules alone; scores only pick which tokens): the middle
+        fills to T, a pass samples it down, and it fills again."""
+        n, a = self.prompt_len, 0
         sizes = []
         for step in range(steps + 1):
             n += step > 0
@@ -108,7 +109,7 @@ class BuzzLayout(Layout):
         return sizes
 
     def describe(self) -> dict:
-        sizes = self.simulate(self.prompt_len, max(self.gen_len - 1, 0))   # g tokens: g-1 steps
+        sizes = self.held(max(self.gen_len - 1, 0))             # g tokens: g - 1 steps
         decode = sizes[1:] or sizes
         return {**super().describe(), "k": self.k, "w": self.w, "T": self.T, "s": self.s,
                 "s_hat": self.s_hat, "pos_shift": self.rope_in_cache,

@@ -9,6 +9,7 @@ import pytest
 from test_cli import assert_user_error, run
 
 from flexevict.bench.throughput import project_decode
+from flexevict.policies import get_policy
 from flexevict.errors import UserError
 from flexevict.runtime.memory import GIB
 import torch
@@ -54,6 +55,12 @@ def test_cut_gen_len_projects_the_rest(tmp_path):
     assert len(r["step_seconds"]) == 4 and r["decode_latency_s"] > sum(r["step_seconds"][1:])
 
 
+def test_cut_gen_len_needs_a_decode_step_to_project_from():
+    """--cut-gen-len 1 times no decode step: it would report a decode latency of 0."""
+    proc = run("bench", *SMALL, "--cut-gen-len", "1")
+    assert_user_error(proc, "--cut-gen-len must be >= 2", "(got 1)")
+
+
 def test_projection_extrapolates_the_measured_trend():
     assert project_decode([1.0, 0.5, 0.5], 3) == (1.0, False)
     latency, projected = project_decode([9.0, 1.0, 1.0, 2.0, 3.0], 8)   # steady steps 1, 2, 3
@@ -75,11 +82,28 @@ def test_projection_of_a_full_buffer_is_flat():
     (a host whose speed drifted, the fourth H200 run) is not carried on; a buffer that fills
     during the run grows until it is full, then stays."""
     steps = [5.0] + [0.034 + 0.00008 * i for i in range(63)]
-    latency, _ = project_decode(steps, 2048, flat_from=0)
+    latency, _ = project_decode(steps, 2048, attended=[400] * 2047)
     assert latency == pytest.approx(sum(steps[1:]) + sum(steps[2:]) / 62 * (2047 - 63))
     assert project_decode(steps, 2048)[0] > 1.5 * latency          # the line it replaces
-    latency, _ = project_decode([9.0, 1.0, 1.0, 2.0, 3.0], 8, flat_from=5)   # full at step 5
-    assert latency == pytest.approx(1 + 1 + 2 + 3 + 4 + 5 + 5)           # steps 4, 5, 6
+    # steps 2, 3, 4 attend 12, 13, 14 tokens and take 1, 2, 3 s; full at 15 from step 5
+    latency, _ = project_decode([9.0, 1.0, 1.0, 2.0, 3.0], 8, attended=[11, 12, 13, 14, 15, 15, 15])
+    assert latency == pytest.approx(1 + 1 + 2 + 3 + 4 + 4 + 4)
+
+
+def test_projection_follows_buzzs_saw():
+    """BUZZ's middle fills to T and a pass samples it down (`BuzzLayout.held`): its steps
+    grow and fall with it. A run cut in its first fill projects every later step by the tokens
+    it attends, neither the rising line (the second H200 run's BUZZ total, half h2o's) nor the
+    mean of the first fill's steps."""
+    lay = get_policy("buzz", budget_tokens=400).layout(2048, 2048)
+    attended = [n + 1 for n in lay.held(2047)[:-1]]
+    assert max(attended[:64]) < max(attended) and min(attended[64:]) < max(attended[:64])
+    cost = [1e-3 + 1e-5 * n for n in attended]                # each step: linear in its tokens
+    latency, projected = project_decode([5.0] + cost[:64], 2048, attended)
+    assert projected and latency == pytest.approx(sum(cost), rel=1e-9)
+    assert project_decode([5.0] + cost[:64], 2048)[0] > 1.1 * sum(cost)   # by step index
+    mean_of_first = sum(cost[1:64]) / 63 * (2047 - 64) + sum(cost[:64])
+    assert abs(mean_of_first - sum(cost)) > 0.01 * sum(cost)    # what `flat` made of it
 
 
 @pytest.mark.slow

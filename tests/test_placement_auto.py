@@ -200,6 +200,21 @@ def test_a_cache_home_is_priced_storing_what_a_step_writes_recalls_region_too(mo
 
 # ------------------------------------------------------------------------------ CLI
 
+
+def test_buzzs_decode_is_priced_by_the_tokens_each_step_attends():
+    """BUZZ's middle fills to T and is sampled down again (`BuzzLayout.held`), so its steps
+    attend from about a* + k + w tokens up to its peak, not its slots every step: the sampled
+    estimate equals pricing every step by its own tokens, and is below pricing the peak."""
+    m = model_for("opt-6.7b", 2048, 2048, "buzz", 0.2)
+    p = Placement(100, 0, 100, 0, 100, 0, gpu_batch_size=24)
+    plan = m.memory_plan(p, 24)
+    attended = [n + 1 for n in m.held[:-1]]
+    assert min(attended) < 0.6 * m.slots and max(attended) == m.slots
+    every = sum(m._step(p, plan, plan.sizes, i, n)[0] for i, n in enumerate(attended, 1))
+    peak = sum(m._step(p, plan, plan.sizes, i, m.slots)[0] for i in range(1, 2048))
+    assert m.estimate(p, 24, plan).decode_s == pytest.approx(every, rel=0.01)
+    assert every < 0.95 * peak
+
 @pytest.mark.slow
 def test_infeasible_request_gives_one_line_with_the_binding_resource():
     proc = run("plan", "--model", "opt-125m", "--device", "cpu", "--prompt-len", "64",

@@ -179,7 +179,7 @@ def test_steady_state_matches_the_seed_table():
                                             (4, 36, 5, 160): (78, 200, 138.9, (38,))}.items():
         p = get_policy("buzz", budget_tokens=k + w + T + 1, k=k, w=w, T=T, s=s)
         lay = p.layout(1000, 3001)
-        sizes = lay.simulate(1000, 3000)[1:]
+        sizes = lay.held(3000)[1:]
         assert (min(sizes), max(sizes)) == (lo, hi)
         assert sum(sizes) / len(sizes) == pytest.approx(mean, abs=0.05)
         steady = min(sizes[-500:]) - k - w                    # old count right after a pass
@@ -338,7 +338,7 @@ def test_invariants_through_the_model(monkeypatch, key, name):
     assert lay.evicts and lay.slots == 20 and (lay.k, lay.w, lay.T) == (4, 2, 13)
     assert step["n"] == n_new - 1
     # the unpadded row's count follows the rules exactly, as simulated for describe()
-    assert used0 == lay.simulate(max(lengths), n_new - 1)[1:]
+    assert lay.prompt_len == max(lengths) and used0 == lay.held(n_new - 1)[1:]
     assert policy.describe(lay)["avg_tokens"] == pytest.approx(sum(used0) / len(used0), abs=0.01)
     assert policy.describe(lay)["peak_tokens"] == 19 >= max(used0)
 
@@ -479,7 +479,7 @@ def test_prompt_sampling_maxima_takes_local_maxima_on_every_pass(seed):
         prefill(policy, buf, scores)
         kept[mode] = sorted(int(p) for p in buf.pos[buf.valid[:, 0], 0])
         assert buf.policy_state["counts"] == ((len(kept[mode]), len(kept[mode]) - k - w),)
-        assert layout.simulate(n, 0)[0] == len(kept[mode])
+        assert layout.held(0)[0] == len(kept[mode])
     assert kept["maxima"] == _maxima_reference(scores, k, w, T, s)
     assert kept["maxima"] != kept["interval"]
 

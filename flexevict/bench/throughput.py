@@ -103,6 +103,9 @@ def run(args) -> dict:
     if placement.gpu_batch_size < 1:
         raise UserError(f"--gpu-batch-size must be >= 1 (got {placement.gpu_batch_size})")
     n = placement.gpu_batch_size * placement.num_gpu_batches
+    if args.cut_gen_len is not None and args.cut_gen_len < 2:
+        raise UserError(f"--cut-gen-len must be >= 2: the prefill and at least one decode step "
+                        f"to project from (got {args.cut_gen_len})")
     steps = min(args.cut_gen_len or args.gen_len, args.gen_len)
     if not args.ignore_max_positions:          # before the weights load, not after
         check_length(config, args.prompt_len, steps)
@@ -290,33 +293,31 @@ def _random_prompts(config, n: int, length: int, seed: int) -> list[list[int]]:
 
 # ---------------------------------------------------------------------------- results
 
-def project_decode(step_seconds: list[float], gen_len: int, flat_from: int | None = None
-                   ) -> tuple[float, bool]:
+def project_decode(step_seconds: list[float], gen_len: int,
+                   attended: list[int] | None = None) -> tuple[float, bool]:
     """Decode latency for gen_len - 1 steps from the measured ones -> (seconds, projected).
 
-    Missing steps are extrapolated with a line fitted to the measured decode steps after the
-    first (a full cache's step grows with context), up to decode step `flat_from`, from which
-    every step attends the same number of slots (a fixed-budget buffer is full; None: never):
-    the line stops rising there, and where the measured steps already passed it they are
-    flat, so the missing ones cost their mean. A falling line is noise, not a trend (no step
-    gets cheaper as the context grows): then too the missing steps cost the measured mean.
-    Both kinds of noise were seen on H200 runs: a -19 us/step fit over 63 flat 18 ms steps
-    projected a quarter of the real decode time, and a +80 us/step fit over 63 flat 34 ms steps
-    (a host whose speed drifted) nearly twice it."""
+    attended: the tokens each decode step 1 .. gen_len - 1 attends (`Layout.held`), which its
+    time grows with; None: the step's index (recall, which scores its growing history). The
+    missing steps are priced by a line through the measured ones after the first, time against
+    tokens: a full cache's steps grow, a full buffer's stay (every measured step attends the
+    same tokens, so they cost the measured mean, whatever noise rises among them), and BUZZ's
+    follow its middle, which fills and is sampled down again. A falling line is noise (no step
+    gets cheaper by attending more): the missing steps cost the mean. Both kinds of noise were
+    seen on H200 runs: a -19 us/step fit over 63 flat 18 ms steps projected a quarter of the
+    real decode time, a +80 us/step fit over 63 flat 34 ms steps nearly twice it."""
     decode = step_seconds[1:]
     missing = gen_len - 1 - len(decode)
     if missing <= 0:
         return float(sum(decode)), False
-    steady = decode[1:] or decode          # steady[j] is decode step j + 1
-    at = np.arange(len(steady), len(steady) + missing)
-    slope, mean = 0.0, float(np.mean(steady)) if steady else 0.0
-    flat = flat_from is not None and flat_from <= len(decode)
-    if len(steady) >= 3 and not flat:
-        slope = max(float(np.polyfit(np.arange(len(steady)), steady, 1)[0]), 0.0)
-    if flat_from is not None:
-        at = np.minimum(at, flat_from - 1)
+    x = np.asarray(attended if attended is not None else range(1, gen_len), dtype=float)
+    steady = np.asarray(decode[1:] or decode)         # the first decode step warms up
+    x_run, x_missing = x[len(decode) - len(steady):len(decode)], x[len(decode):]
+    slope, mean = 0.0, float(steady.mean()) if steady.size else 0.0
+    if steady.size >= 3 and np.ptp(x_run) > 0:
+        slope = max(float(np.polyfit(x_run, steady, 1)[0]), 0.0)
     # the line through the measured steps' centre with that slope
-    extra = float((mean + slope * (at - (len(steady) - 1) / 2)).sum())
+    extra = float((mean + slope * (x_missing - x_run.mean())).sum())
     return float(sum(decode)) + extra, True
 
 
@@ -325,11 +326,11 @@ def _result(args, plan, policy, timed, device, steps) -> dict:
     stats, layout = timed.run.stats, timed.run.layout
     config, placement, n = plan.config, plan.placement, plan.n
     prefill = stats.step_seconds[0]
-    # a buffer that evicts is full from this decode step on: its steps stop growing there
-    # (unless it keeps a growing history besides, as recall does)
-    full = (max(layout.capacity - args.prompt_len, 0)
-            if layout.evicts and not layout.home_tokens else None)
-    decode, projected = project_decode(stats.step_seconds, args.gen_len, full)
+    # what a step's time grows with: the tokens it attends, unless the cache keeps a growing
+    # history besides (recall), which it scores every step
+    held = layout.held(max(args.gen_len - 1, 0))
+    attended = None if layout.home_tokens else [n + 1 for n in held[:-1]]
+    decode, projected = project_decode(stats.step_seconds, args.gen_len, attended)
     total = prefill + decode
     return {
         "model": config.name, "path": args.path, "dtype": str(plan.dtype).replace("torch.", ""),

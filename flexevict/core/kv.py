@@ -61,6 +61,13 @@ class Layout:
         new token's, and recall's recalled region. The cost model prices the store by it."""
         return 1
 
+    def held(self, steps: int) -> list[int]:
+        """Tokens an unpadded row holds after the prefill and after each of `steps` decode
+        steps: every token, up to the capacity. Decode step i attends held[i - 1] + 1 (the
+        new token too), so its time grows with it: the cost model and the benchmark's
+        projection of unmeasured steps read it. BUZZ's middle saws (`BuzzLayout`)."""
+        return [min(self.prompt_len + i, self.capacity) for i in range(steps + 1)]
+
     def describe(self) -> dict:
         """The resolved budget as printed by every CLI and JSON result."""
         d = {"slots": self.slots}

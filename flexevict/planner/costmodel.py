@@ -33,8 +33,9 @@ with k over the GPU batches of the block:
   Python work per cell and per lane job, serialised by the GIL) adds outside the maximum; on a
   GPU the fixed costs overlap the device's work (kernel launches are asynchronous).
 
-Decode attention grows with the attended slots min(P + i, slots) at step i, so decode time is
-summed over steps (sampled at up to 8 evenly spaced steps). Memory per tier is MemoryPlan's
+Decode attention grows with the slots step i attends, min(P + i, slots) (BUZZ's saw between
+its passes: `Layout.held`), so decode time is summed over steps (sampled at up to 8 evenly
+spaced steps). Memory per tier is MemoryPlan's
 (memory.py, the same numbers the run's preflight checks).
 
 Three things come from the calibration's probes rather than from first principles: a later GPU
@@ -125,6 +126,7 @@ class CostModel:
         self.evicts = self.slots < prompt_len + gen_len
         layout = policy.layout(prompt_len, gen_len)
         self.history = layout.home_tokens                 # recall's
+        self.held = layout.held(max(gen_len - 1, 0))      # tokens held after each step
         self.written = layout.written_per_step            # K/V slots a step stores back
         self.ranks_prompt = policy.needs_prompt_scores and self.evicts
         self.elem = torch.empty((), dtype=dtype).element_size()
@@ -151,21 +153,28 @@ class CostModel:
         sizes = plan.sizes
         prefill, pre_terms = self._step(placement, plan, sizes, 0, self.P)
         decode, dec_terms = 0.0, {}
-        for step, weight in self._decode_samples():
-            t, terms = self._step(placement, plan, sizes, step, min(self.P + step, self.slots))
+        for step, weight, attended in self._decode_samples():
+            t, terms = self._step(placement, plan, sizes, step, attended)
             decode += weight * t
             for k, v in terms.items():
                 dec_terms[k] = dec_terms.get(k, 0.0) + v * weight / max(self.G - 1, 1)
         return Estimate(placement, n, prefill, decode, plan.needs(self.device), pre_terms,
                         dec_terms, self.G)
 
-    def _decode_samples(self) -> list[tuple[int, float]]:
-        """(decode step i >= 1, how many steps it stands for), summing to gen_len - 1."""
+    def _decode_samples(self) -> list[tuple[int, float, int]]:
+        """(decode step i >= 1, how many steps it stands for, the slots they attend on average),
+        the counts summing to gen_len - 1: a sample's slots are its span's mean (BUZZ's saw
+        is not aliased by where a sample falls)."""
         steps = self.G - 1
+        attended = [n + 1 for n in self.held[:-1]]           # step i attends attended[i - 1]
         if steps <= SAMPLED_STEPS:
-            return [(i, 1.0) for i in range(1, steps + 1)]
+            return [(i, 1.0, attended[i - 1]) for i in range(1, steps + 1)]
         width = steps / SAMPLED_STEPS
-        return [(1 + int((j + 0.5) * width), width) for j in range(SAMPLED_STEPS)]
+        samples = []
+        for j in range(SAMPLED_STEPS):
+            span = attended[int(j * width):int((j + 1) * width)]
+            samples.append((1 + int((j + 0.5) * width), width, round(sum(span) / len(span))))
+        return samples
 
     # ------------------------------------------------------------------ one token step
     def _step(self, p, plan, sizes, i: int, n: int) -> tuple[float, dict]:
