@@ -15,7 +15,8 @@ Rule:
   gives the code's `>=`), the loser is dropped.
 - Score (Sec. 3.1 "Token Selection"): an EMA mu <- gamma*mu + (1-gamma)*s of the attention each
   token receives, in `buf.state` (it travels with the token); gamma = exp(-N ln(100) / |C|)
-  (App. B, Eq. 14) unless given.
+  (App. B, Eq. 14) unless given. In a stacked cache (kv.LayerRows) each layer leaves its s in
+  `buf.score` and the stack's once-per-step commit folds every layer's into mu and clears it.
 - Homogeneous heads (Sec. 3.1, App. C): one decision per (sequence, layer); s is reduced over the
   sequence's `buf.kv_heads` kv heads with `reduce` = mean | max | median (default mean).
 - Positions (Sec. 3.1): contiguous in-cache ranks (`rope_in_cache`); OPT keeps its true absolute
@@ -277,7 +278,7 @@ class Cascade(Policy):
         buf.policy_state["start"].copy_(at[:self.cascades])
         buf.policy_state["count"].copy_(at[self.cascades:])
         kept = held >= 0
-        buf.store_prompt(k, v, pos, valid, scores, keep=held.clamp(min=0))
+        buf.store_prompt(k, v, pos, valid, keep=held.clamp(min=0))   # mu lives in `state`
         buf.valid[:cap] &= kept
         buf.pos[:cap].masked_fill_(~kept, -1)
         buf.state[:cap] = torch.where(kept, mu, 0.0)
@@ -295,13 +296,17 @@ class Cascade(Policy):
         return buf.layout.evicts and slot == buf.scratch
 
     def observe(self, buf, slot, probs, scored=False):
-        if self.inserts(buf, slot):     # EMA of every non-sink slot, the new token included
-            kernels.cascade_ema(buf, probs, self.rule(buf.layout))
+        # a stack's layer (kv.LayerRows): this step's attention, every slot's, into buf.score;
+        # the stack's commit folds all layers' into the EMA at once
+        if self.inserts(buf, slot):
+            kernels.cascade_attention(buf, probs, self.rule(buf.layout))
 
     def commit(self, buf, slot):
         if not self.inserts(buf, slot):
             return buf.commit_appended(slot)
-        kernels.cascade_update(buf, self.subcaches(buf), None, self.rule(buf.layout))
+        rule = self.rule(buf.layout)    # the EMA of every non-sink slot, the new token's too
+        kernels.cascade_fold(buf, buf.attended(slot), rule)
+        kernels.cascade_update(buf, self.subcaches(buf), None, rule)
 
     def rule(self, layout: CascadeLayout) -> CascadeRule:
         """The decode step's arguments, resolved for a run of `layout`."""

@@ -27,6 +27,7 @@ __all__ = [  # the dispatch functions (kernel or reference) ...
            "backend", "decode_attention", "prefill_attention", "prefill_attention_scores",
            "evict_commit", "ring_commit",
            "hash_codes", "hash_victims", "compact_prompt", "buzz_pass", "cascade_update",
+           "cascade_attention", "cascade_fold",
            "quantize_4bit", "dequantize_4bit", "Packed4bit", "gather_pages", "put_rows",
            "page_select", "hash_replay",
            # ... and reference helpers the policies share (no kernel of their own)
@@ -424,12 +425,24 @@ def buzz_pass(buf, n: int, k: int, w: int, T: int, s: int, used: int | None = No
     buf.touch_all()
 
 
-def cascade_ema(buf, probs, rule: CascadeRule) -> None:
-    """Cascade's attention EMA alone, of slots [sinks, n) in `buf.state` (probs (R, g, n)
-    fp32, reduced over each sequence's kv heads by `rule.reduce`): torch ops on every device,
-    for a stacked cache whose insertion runs once per step (`cascade_update` with probs None)."""
-    _check_cascade("cascade_ema", buf, probs, rule)
-    reference.cascade_ema(buf, probs, rule)
+def cascade_attention(buf, probs, rule: CascadeRule) -> None:
+    """A stacked cache's layer's part of Cascade's EMA: this step's attention of slots [0, n)
+    (probs (R, g, n) fp32, reduced over each sequence's kv heads by `rule.reduce`) into
+    buf.score[:n]. The stack's commit folds every layer's into the EMA at once
+    (`cascade_fold`), then inserts (`cascade_update` with probs None). Torch ops on every
+    device (a stack runs on the reference path)."""
+    _check_cascade("cascade_attention", buf, probs, rule)
+    reference.cascade_attention(buf, probs, rule)
+
+
+def cascade_fold(buf, n: int, rule: CascadeRule) -> None:
+    """The EMA mu <- gamma mu + (1 - gamma) s of slots [sinks, n) in `buf.state`, s the
+    attention `cascade_attention` left in buf.score, for every row of `buf` (a stack: every
+    layer) at once. Torch ops on every device."""
+    _check_cascade("cascade_fold", buf, None, rule)
+    if n > buf.capacity + 1:
+        _fail("cascade_fold", f"n = {n} slots, more than the buffer's {buf.capacity + 1}")
+    reference.cascade_fold(buf, n, rule)
 
 
 def _check_cascade(op: str, buf, probs, rule: CascadeRule) -> None:
@@ -447,7 +460,7 @@ def _check_cascade(op: str, buf, probs, rule: CascadeRule) -> None:
 def cascade_update(buf, sub: SubCaches, probs, rule: CascadeRule) -> None:
     """Cascade's decode step for every row: the attention EMA of slots [sinks, n) in
     `buf.state` (probs (R, g, n) fp32, reduced over each sequence's kv heads by `rule.reduce`;
-    None: already taken, `cascade_ema`), then the scratch token's insertion into the
+    None: already taken, `cascade_fold`), then the scratch token's insertion into the
     sub-caches `sub` (Algorithm 1)."""
     _check_cascade("cascade_update", buf, probs, rule)
     kv = buf.kv_heads

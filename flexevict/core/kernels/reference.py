@@ -576,15 +576,21 @@ def buzz_pass(buf: KVBuffer, n: int, k: int, w: int, T: int, s: int,
 
 # ------------------------------------------------------------------------------ Cascade
 
-def reduce_heads(x: torch.Tensor, kv_heads: int, how: str) -> torch.Tensor:
+def reduce_heads(x: torch.Tensor, kv_heads: int, how: str, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """x (n, R) per kv head -> (n, R) reduced over each sequence's kv heads (Cascade's rho:
-    mean, max or median, the lower one for an even count) and repeated for each of them."""
+    mean, max or median, the lower one for an even count) and repeated for each of them;
+    written into `out` (n, R) when given (its last dim contiguous)."""
     n, rows = x.shape
     if kv_heads <= 1:
-        return x
+        return x if out is None else out.copy_(x)
     g = x.view(n, rows // kv_heads, kv_heads)
     r = g.mean(-1) if how == "mean" else g.amax(-1) if how == "max" else g.median(-1).values
-    return r.unsqueeze(-1).expand(n, rows // kv_heads, kv_heads).reshape(n, rows)
+    each = r.unsqueeze(-1).expand(n, rows // kv_heads, kv_heads)
+    if out is None:
+        return each.reshape(n, rows)
+    out.view(n, rows // kv_heads, kv_heads).copy_(each)
+    return out
 
 
 class SubCaches(NamedTuple):
@@ -659,6 +665,24 @@ def cascade_ema(buf: KVBuffer, probs, rule: CascadeRule) -> None:
     S, n, gamma = rule.sinks, probs.shape[-1], rule.gamma
     s = reduce_heads(kv_head_probs(probs), buf.kv_heads, rule.reduce)     # (n, R)
     buf.state[S:n].mul_(gamma).add_(s[S:], alpha=1.0 - gamma)
+
+
+def cascade_attention(buf: KVBuffer, probs, rule: CascadeRule) -> None:
+    """This step's attention s of every slot (probs (R, g, n), summed over the group, reduced
+    over a sequence's kv heads) into buf.score[:n], for a stack's commit to fold every layer's
+    into the EMA at once (`cascade_fold`): what `cascade_ema` does in two ops per layer, in two
+    per step."""
+    s = kv_head_probs(probs)
+    reduce_heads(s, buf.kv_heads, rule.reduce, out=buf.score[:s.shape[0]])
+
+
+def cascade_fold(buf: KVBuffer, n: int, rule: CascadeRule) -> None:
+    """`cascade_ema`'s update of slots [sinks, n) from the attention `cascade_attention` left
+    in buf.score (the same ops on the same values, over a stack's every layer at once), which
+    it then clears: Cascade keeps no score between steps, on either path."""
+    S, gamma = rule.sinks, rule.gamma
+    buf.state[S:n].mul_(gamma).add_(buf.score[S:n], alpha=1.0 - gamma)
+    buf.score[:n].zero_()
 
 
 def cascade_update(buf: KVBuffer, sub: SubCaches, probs, rule: CascadeRule) -> None:
