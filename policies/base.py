@@ -131,7 +131,9 @@ class Policy:
     def layout(self, prompt_len: int, gen_len: int) -> Layout:
         """The run's frozen layout (prompt_len: the batch's padded length)."""
         slots = self.slots_for(prompt_len, gen_len)
-        return Layout(slots, slots < prompt_len + gen_len, rope_in_cache=self.rope_in_cache,
+        evicts = slots < prompt_len + gen_len
+        # a cache that keeps every token ranks each at its position: plain RoPE, as `full`
+        return Layout(slots, evicts, rope_in_cache=self.rope_in_cache and evicts,
                       prompt_len=prompt_len, gen_len=gen_len)
 
     def batch_key(self, prompt_len: int, gen_len: int) -> tuple:

@@ -502,13 +502,13 @@ def test_rank_rope_table_equals_rotating_each_rank(dtype):
     d = cfg.dim_head
     for n in (5, 37, 300):
         table = model.rank_rope(n, "cpu", dtype)
-        assert table.shape[0] >= n and table.shape[1] == d             # the halves of each
+        h = d // 2
+        assert table.shape[0] >= n and table.shape[1:] == (h, 2)      # (cos, sin) per pair
         rank = torch.randint(0, n, (n, 6), generator=g)
         want_cos, want_sin = fmodel.rope_cos_sin(inv_freq, rank, dtype)
-        h = d // 2
         assert torch.equal(want_cos[..., :h], want_cos[..., h:])
-        assert torch.equal(table[rank, :h], want_cos[..., :h])
-        assert torch.equal(table[rank, h:], want_sin[..., :h])
+        assert torch.equal(table[rank][..., 0], want_cos[..., :h])
+        assert torch.equal(table[rank][..., 1], want_sin[..., :h])
     assert model.rank_rope(300, "cpu", dtype).shape[0] == 512         # kept, not rebuilt
 
 
@@ -533,8 +533,9 @@ def test_counted_ranks_equal_the_sorted_ranks(n, rows):
 
 
 def test_keys_rotated_to_their_rank_among_the_valid_slots():
-    """In-cache RoPE: each valid key is rotated by its rank by position among its row's valid
-    slots, the query by the row's count - 1, bit for bit as rope_cos_sin of those ranks."""
+    """In-cache RoPE: each valid key (cached with its pairs side by side) is rotated by its
+    rank by position among its row's valid slots, the query by the row's count - 1, bit for bit
+    as apply_rope with rope_cos_sin of those ranks, in the same order of dims."""
     from tiny import CONFIGS
     from flexevict.core.kv import KVBuffer, Layout
     cfg = next(c for c in CONFIGS.values() if c.arch == "llama")
@@ -552,6 +553,8 @@ def test_keys_rotated_to_their_rank_among_the_valid_slots():
         real = buf.valid[:n, r].nonzero().flatten().tolist()
         for rank, slot in enumerate(sorted(real, key=lambda s: int(buf.pos[s, r]))):
             cos, sin = fmodel.rope_cos_sin(inv_freq, torch.tensor([rank]), torch.float32)
-            assert torch.equal(keys[slot, r], fmodel.apply_rope(buf.k[slot, r], cos[0], sin[0]))
+            key = buf.k[slot, r].unflatten(-1, (d // 2, 2)).t().flatten()   # rotate-half order
+            want = fmodel.apply_rope(key, cos[0], sin[0])
+            assert torch.equal(keys[slot, r], fmodel.pairs_adjacent(want))
         cos, sin = fmodel.rope_cos_sin(inv_freq, torch.tensor([len(real) - 1]), torch.float32)
-        assert torch.equal(q_rot[r], fmodel.apply_rope(q[r], cos, sin))
+        assert torch.equal(q_rot[r], fmodel.pairs_adjacent(fmodel.apply_rope(q[r], cos, sin)))

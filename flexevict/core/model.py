@@ -138,8 +138,8 @@ def rotate_pairs(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Ten
     x * cos + rotate_half(x) * sin, half by half: the same products and sums bit for bit
     (x1 c + (-x2) s is x1 c - x2 s in IEEE arithmetic) without building rotate_half(x) or
     concatenating the halves: each half is written in place into one output (in fp32 on a CPU
-    this took a seventh, then under half, of the time; in-cache RoPE rotates every cached key
-    each step). No fused multiply-add (addcmul), which rounds once and would differ."""
+    this took a seventh, then under half, of the time). No fused multiply-add (addcmul), which
+    rounds once and would differ."""
     h = x.shape[-1] // 2
     x1, x2 = x[..., :h], x[..., h:]
     out = x.new_empty(torch.broadcast_shapes(x.shape, c.shape[:-1] + (x.shape[-1],)))
@@ -359,8 +359,8 @@ class Transformer:
         if inp.rope is not None:
             cos, sin = (t.unsqueeze(1) for t in inp.rope)          # (B, 1, S, d)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if not buf.layout.rope_in_cache:
-                k_cached = k
+            # keys cached before RoPE, its pairs side by side (`rotate_in_cache`)
+            k_cached = pairs_adjacent(k_cached) if buf.layout.rope_in_cache else k
         factor = policy.logit_scale(s)
         scale = d ** -0.5 * factor
         scores = None
@@ -404,6 +404,8 @@ class Transformer:
         if inp.rope is not None and not in_cache:
             cos, sin = (t.repeat_interleave(nk, dim=0) for t in inp.rope)   # (R, d)
             q, k = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), apply_rope(k, cos, sin)
+        if in_cache:                          # cached before RoPE, its pairs side by side
+            k = pairs_adjacent(k)
         slot = buf.incoming_slot()
         buf.write(slot, k, v.reshape(b * nk, d), inp.pos.repeat_interleave(nk).to(torch.int32))
         with clock:
@@ -425,26 +427,58 @@ class Transformer:
 
 
 def rank_table(inv_freq: torch.Tensor, size: int, dtype) -> torch.Tensor:
-    """The half-width cos and sin of RoPE side by side, (size, d), for the positions
-    0..size-1 (inv_freq (d/2,) on the table's device): a row is bit-identical to `rope_cos_sin`
-    of its index (an elementwise function, its two halves equal); side by side, one gather
-    fetches both."""
+    """RoPE's cos and sin side by side, (size, d/2, 2), for the positions 0..size-1 (inv_freq
+    (d/2,) on the table's device): row p, frequency i holds (cos, sin) of p inv_freq[i],
+    bit-identical to `rope_cos_sin` of p. In fp32 it is a complex table (cos + i sin): one
+    gather fetches both, one complex product rotates (`rotate_adjacent`)."""
     cos, sin = rope_cos_sin(inv_freq, torch.arange(size, device=inv_freq.device), dtype)
     h = cos.shape[-1] // 2
-    return torch.cat([cos[:, :h], sin[:, :h]], dim=-1)
+    return torch.stack([cos[:, :h], sin[:, :h]], dim=-1)
+
+
+def pairs_adjacent(x: torch.Tensor) -> torch.Tensor:
+    """x (..., d) in the rotate-half order (dims i and i + d/2 pair up) -> a copy with each
+    pair side by side, (x_0, x_h, x_1, x_h+1, ...): how keys cached before RoPE are stored, so
+    that rotating them is one complex product (`rotate_adjacent`). Attention is a dot product
+    over d, the same in any order of the dims that the query shares (up to its rounding)."""
+    h = x.shape[-1] // 2
+    return x.unflatten(-1, (2, h)).transpose(-1, -2).flatten(-2)
+
+
+def rotate_adjacent(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    """RoPE of x (..., d), its pairs side by side (`pairs_adjacent`), by cs (..., d/2, 2) from
+    `rank_table` (broadcast to x's pairs) -> (..., d), pairs side by side.
+
+    (x_a + i x_b)(cos + i sin): x_a cos - x_b sin and x_b cos + x_a sin, the products and sums
+    of `rotate_pairs` bit for bit. In fp32 one complex product: a third of `rotate_pairs`'
+    time on a CPU over a strided layer of a stack, which is what in-cache RoPE does to every
+    cached key each step. 16-bit floats have no complex type: the same arithmetic by halves."""
+    pairs = x.unflatten(-1, (-1, 2))
+    if x.dtype in (torch.float32, torch.float64):
+        out = torch.view_as_complex(pairs) * torch.view_as_complex(cs)
+        return torch.view_as_real(out).flatten(-2)
+    a, b, c, s = pairs[..., 0], pairs[..., 1], cs[..., 0], cs[..., 1]
+    out = x.new_empty(torch.broadcast_shapes(pairs.shape, cs.shape))
+    re, im = out[..., 0], out[..., 1]
+    torch.mul(a, c, out=re)
+    re.sub_(b * s)
+    torch.mul(b, c, out=im)
+    im.add_(a * s)
+    return out.flatten(-2)
 
 
 def rotate_in_cache(q, buf: KVBuffer, n: int, table: torch.Tensor, pos_end: int | None = None):
-    """RoPE by in-cache rank (StreamingLLM/Cascade): keys cached before RoPE are rotated to
-    their rank among the row's valid slots, the query to the last rank. q (R, g, d); table
-    (m, d) from `rank_table`, m >= n; pos_end as in `cache_ranks` -> q, keys (n, R, d)."""
+    """RoPE by in-cache rank (StreamingLLM/Cascade): keys cached before RoPE, their pairs side
+    by side (`pairs_adjacent`), are rotated to their rank among the row's valid slots, the
+    query to the last rank. q (R, g, d) in the rotate-half order; table (m, d/2, 2) from
+    `rank_table`, m >= n; pos_end as in `cache_ranks` -> q, keys (n, R, d), both with their
+    pairs side by side (attention reads them together)."""
     valid = buf.valid[:n]
     rank = cache_ranks(buf.pos[:n], valid, pos_end)                             # (n, R)
-    h = q.shape[-1] // 2
-    both = table.index_select(0, rank.reshape(-1)).view(*rank.shape, 2 * h)  # one gather
-    keys = rotate_pairs(buf.k[:n], both[..., :h], both[..., h:])               # (n, R, d)
-    at_q = table[valid.sum(dim=0) - 1].unsqueeze(1)                            # (R, 1, d)
-    return rotate_pairs(q, at_q[..., :h], at_q[..., h:]), keys
+    both = table.index_select(0, rank.reshape(-1)).view(*rank.shape, *table.shape[1:])
+    keys = rotate_adjacent(buf.k[:n], both)                                      # (n, R, d)
+    at_q = table[valid.sum(dim=0) - 1].unsqueeze(1)                      # (R, 1, d/2, 2)
+    return rotate_adjacent(pairs_adjacent(q), at_q), keys
 
 
 def cache_ranks(pos: torch.Tensor, valid: torch.Tensor, pos_end: int | None = None):
