@@ -471,6 +471,17 @@ def test_a_policys_hook_costs_are_measured_again_when_their_code_changed(tmp_pat
     assert read_as_given.policy(spec, cpu, torch.float32) is tova and len(timed) == 1
 
 
+def test_the_code_a_policys_cost_is_keyed_by_includes_the_model_where_it_rotates_keys():
+    """Cascade's and StreamingLLM's timed hooks include the model's in-cache rotation: a change
+    to the model times them again; h2o's hooks do not run model code."""
+    from flexevict.core import model
+    from flexevict.policies import cascade, h2o
+    assert {model, cascade}.issubset(calibration.hook_modules("cascade"))
+    assert model in calibration.hook_modules("streaming")
+    h2o_modules = calibration.hook_modules("h2o")
+    assert h2o in h2o_modules and model not in h2o_modules
+
+
 @pytest.mark.parametrize("quick", [True, False])
 def test_recalls_hook_costs_are_measured_over_every_step(quick):
     """Recall appends every decode step to its history: the measurement's buffer is sized for

@@ -1004,19 +1004,27 @@ def drifted(q: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def hook_code(name: str) -> str:
-    """A digest of the code policy `name`'s hooks run: the modules of its class and of its
-    bases, the KV buffer's and the kernels' (on a CPU their PyTorch reference). A cost measured
-    with other code is measured again, so a changed policy is never priced by its old self."""
-    from flexevict.core import kernels, kv
-    from flexevict.core.kernels import reference
-    from flexevict.policies import POLICIES
-    modules = {inspect.getmodule(c) for c in POLICIES[name].__mro__} | {kv, kernels, reference}
-    files = sorted(m.__file__ for m in modules if m.__name__.startswith("flexevict."))
+    """A digest of the code policy `name`'s hooks run (`hook_modules`). A cost measured with
+    other code is measured again, so a changed policy is never priced by its old self."""
     digest = hashlib.sha256()
-    for path in files:
+    for path in sorted(m.__file__ for m in hook_modules(name)):
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]
+
+
+def hook_modules(name: str) -> set:
+    """The modules of policy `name`'s class and of its bases, the KV buffer's and the kernels'
+    (on a CPU their PyTorch reference), and the model's for a policy whose keys it rotates to
+    their in-cache ranks (timed with the hooks)."""
+    from flexevict.core import kernels, kv, model
+    from flexevict.core.kernels import reference
+    from flexevict.policies import POLICIES
+    cls = POLICIES[name]
+    modules = {inspect.getmodule(c) for c in cls.__mro__} | {kv, kernels, reference}
+    if cls.rope_in_cache:
+        modules.add(model)
+    return {m for m in modules if m.__name__.startswith("flexevict.")}
 
 
 def measure_policy(spec, device, dtype, quick: bool) -> dict:
