@@ -96,7 +96,8 @@ def test_projection_follows_buzzs_saw():
     it attends, neither the rising line (the second H200 run's BUZZ total, half h2o's) nor the
     mean of the first fill's steps."""
     lay = get_policy("buzz", budget_tokens=400).layout(2048, 2048)
-    attended = [n + 1 for n in lay.held(2047)[:-1]]
+    attended = lay.attended_per_step(2047)
+    assert attended[:2] == [n + 1 for n in lay.held(1)]        # step i: held after i - 1, + 1
     assert max(attended[:64]) < max(attended) and min(attended[64:]) < max(attended[:64])
     cost = [1e-3 + 1e-5 * n for n in attended]                # each step: linear in its tokens
     latency, projected = project_decode([5.0] + cost[:64], 2048, attended)

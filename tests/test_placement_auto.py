@@ -208,7 +208,7 @@ def test_buzzs_decode_is_priced_by_the_tokens_each_step_attends():
     m = model_for("opt-6.7b", 2048, 2048, "buzz", 0.2)
     p = Placement(100, 0, 100, 0, 100, 0, gpu_batch_size=24)
     plan = m.memory_plan(p, 24)
-    attended = [n + 1 for n in m.held[:-1]]
+    attended = m.attended
     assert min(attended) < 0.6 * m.slots and max(attended) == m.slots
     every = sum(m._step(p, plan, plan.sizes, i, n)[0] for i, n in enumerate(attended, 1))
     peak = sum(m._step(p, plan, plan.sizes, i, m.slots)[0] for i in range(1, 2048))

@@ -328,8 +328,7 @@ def _result(args, plan, policy, timed, device, steps) -> dict:
     prefill = stats.step_seconds[0]
     # what a step's time grows with: the tokens it attends, unless the cache keeps a growing
     # history besides (recall), which it scores every step
-    held = layout.held(max(args.gen_len - 1, 0))
-    attended = None if layout.home_tokens else [n + 1 for n in held[:-1]]
+    attended = None if layout.home_tokens else layout.attended_per_step(args.gen_len - 1)
     decode, projected = project_decode(stats.step_seconds, args.gen_len, attended)
     total = prefill + decode
     return {

@@ -68,6 +68,10 @@ class Layout:
         projection of unmeasured steps read it. BUZZ's middle saws (`BuzzLayout`)."""
         return [min(self.prompt_len + i, self.capacity) for i in range(steps + 1)]
 
+    def attended_per_step(self, steps: int) -> list[int]:
+        """Tokens decode steps 1 .. steps attend, the new one's included (`held`)."""
+        return [n + 1 for n in self.held(max(steps - 1, 0))][:steps]
+
     def describe(self) -> dict:
         """The resolved budget as printed by every CLI and JSON result."""
         d = {"slots": self.slots}

@@ -126,7 +126,7 @@ class CostModel:
         self.evicts = self.slots < prompt_len + gen_len
         layout = policy.layout(prompt_len, gen_len)
         self.history = layout.home_tokens                 # recall's
-        self.held = layout.held(max(gen_len - 1, 0))      # tokens held after each step
+        self.attended = layout.attended_per_step(gen_len - 1)   # by decode step 1, 2, ...
         self.written = layout.written_per_step            # K/V slots a step stores back
         self.ranks_prompt = policy.needs_prompt_scores and self.evicts
         self.elem = torch.empty((), dtype=dtype).element_size()
@@ -165,8 +165,7 @@ class CostModel:
         """(decode step i >= 1, how many steps it stands for, the slots they attend on average),
         the counts summing to gen_len - 1: a sample's slots are its span's mean (BUZZ's saw
         is not aliased by where a sample falls)."""
-        steps = self.G - 1
-        attended = [n + 1 for n in self.held[:-1]]           # step i attends attended[i - 1]
+        steps, attended = self.G - 1, self.attended     # step i attends attended[i - 1]
         if steps <= SAMPLED_STEPS:
             return [(i, 1.0, attended[i - 1]) for i in range(1, steps + 1)]
         width = steps / SAMPLED_STEPS

@@ -662,9 +662,14 @@ def cascade_ema(buf: KVBuffer, probs, rule: CascadeRule) -> None:
     """Every non-sink slot's EMA mu <- gamma mu + (1 - gamma) s of this step's attention s
     (probs (R, g, n), summed over the group, reduced over a sequence's kv heads), kept in
     `buf.state`."""
-    S, n, gamma = rule.sinks, probs.shape[-1], rule.gamma
     s = reduce_heads(kv_head_probs(probs), buf.kv_heads, rule.reduce)     # (n, R)
-    buf.state[S:n].mul_(gamma).add_(s[S:], alpha=1.0 - gamma)
+    _ema_step(buf, s, probs.shape[-1], rule)
+
+
+def _ema_step(buf: KVBuffer, s: torch.Tensor, n: int, rule: CascadeRule) -> None:
+    """mu <- gamma mu + (1 - gamma) s for slots [sinks, n), s (>= n, R)."""
+    S, gamma = rule.sinks, rule.gamma
+    buf.state[S:n].mul_(gamma).add_(s[S:n], alpha=1.0 - gamma)
 
 
 def cascade_attention(buf: KVBuffer, probs, rule: CascadeRule) -> None:
@@ -680,8 +685,7 @@ def cascade_fold(buf: KVBuffer, n: int, rule: CascadeRule) -> None:
     """`cascade_ema`'s update of slots [sinks, n) from the attention `cascade_attention` left
     in buf.score (the same ops on the same values, over a stack's every layer at once), which
     it then clears: Cascade keeps no score between steps, on either path."""
-    S, gamma = rule.sinks, rule.gamma
-    buf.state[S:n].mul_(gamma).add_(buf.score[S:n], alpha=1.0 - gamma)
+    _ema_step(buf, buf.score, n, rule)
     buf.score[:n].zero_()
 
 
