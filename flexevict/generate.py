@@ -32,10 +32,11 @@ def parse_args(argv=None):
     add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt; the completion is printed")
-    src.add_argument("--input", help='JSONL file of {"id": ..., "prompt": ...} lines (or OpenAI '
-                     'batch requests: {"custom_id": ..., "body": {"prompt" or "messages": ...}})')
-    p.add_argument("--output", help="JSONL output (with --input): each input row plus "
-                   "completion and tokens, in input order")
+    src.add_argument("--input", help='JSONL file of {"id": ..., "prompt": ...} lines, or OpenAI '
+                     'batch requests ({"custom_id", "url", "body"}: their body settings override '
+                     "the flags below)")
+    p.add_argument("--output", help="JSONL output (with --input), in input order: each input "
+                   "row plus completion and tokens; for OpenAI batch requests, batch output lines")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
     p.add_argument("--temperature", type=float, default=None,
@@ -124,7 +125,9 @@ def job_spec(args):
                    weights=weights, device=device, dtype=dtype, seed=args.seed,
                    placement=placement, policy=policy, sampling=sampling,
                    max_new_tokens=args.max_new_tokens, chat=args.chat, window=args.window or 0,
-                   on_error=args.on_error, threads=args.threads)
+                   on_error=args.on_error, threads=args.threads,
+                   created=int(os.stat(args.input).st_mtime) if args.input and
+                   os.path.isfile(args.input) else 0)
     if args.window is not None and args.window < spec.block_size:
         raise UserError(f"--window must hold at least one block ({spec.block_size} rows: "
                         f"--gpu-batch-size x --num-gpu-batches); got {args.window}")
@@ -135,7 +138,7 @@ def generate_one(spec, prompt: str) -> str:
     """The --prompt path: one prompt (chat-formatted with --chat), checked before loading."""
     from flexevict.jobs.inputs import Row, RowError
     try:
-        ids = spec.prompter().encode(Row(0, None, {}, prompt=prompt))
+        ids = spec.prompter().encode(Row(0, None, {}, prompt=prompt, request=spec.defaults))
     except RowError as e:
         raise UserError(f"--prompt: {e.reason}") from None
     llm = spec.llm(progress=True)

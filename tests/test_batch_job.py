@@ -11,6 +11,7 @@ import pytest
 
 from flexevict.errors import UserError
 from flexevict.jobs import inputs, state as job_state
+from flexevict.runtime.generation import Sampling
 from test_cli import assert_user_error, run, tiny_dir  # noqa: F401 (fixture)
 
 ROWS = [{"id": i, "prompt": "abcdefghij"[: 1 + i % 7] * (1 + i % 4), "n": i} for i in range(40)]
@@ -214,7 +215,8 @@ def test_on_error_skip_writes_the_errors_file(tmp_path, tiny_dir):  # noqa: F811
 
 
 def test_openai_batch_lines(tmp_path, tiny_dir, reference):  # noqa: F811
-    """custom_id + body.prompt lines: the same completions as {"id", "prompt"} lines."""
+    """custom_id + body.prompt lines: the same completions as {"id", "prompt"} lines, as
+    batch output lines (their format: tests/test_openai_batch.py)."""
     rows = [{"custom_id": f"req-{r['id']}", "method": "POST", "url": "/v1/completions",
              "body": {"model": "tiny", "prompt": r["prompt"], "max_tokens": 6}} for r in ROWS]
     write_rows(tmp_path / "in.jsonl", rows)
@@ -223,8 +225,10 @@ def test_openai_batch_lines(tmp_path, tiny_dir, reference):  # noqa: F811
     got = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     ref = [json.loads(x) for x in reference["greedy"].splitlines()]
     assert [g["custom_id"] for g in got] == [r["custom_id"] for r in rows]
-    assert [g["body"] for g in got] == [r["body"] for r in rows]
-    assert [g["completion"] for g in got] == [r["completion"] for r in ref]
+    assert [g["response"]["body"]["choices"][0]["text"] for g in got] == \
+        [r["completion"] for r in ref]
+    assert [g["response"]["body"]["usage"]["completion_tokens"] for g in got] == \
+        [r["tokens"] for r in ref]
     write_rows(tmp_path / "in.jsonl", [{"method": "POST", "body": {"prompt": "x"}}])
     assert_user_error(job(tmp_path, tiny_dir, out="o2.jsonl"), "in.jsonl:1", '"custom_id"')
 
@@ -235,14 +239,15 @@ def test_openai_batch_lines(tmp_path, tiny_dir, reference):  # noqa: F811
 def test_chat_template_renders_like_transformers(smollm2_path, hf_smollm2_tokenizer,
                                                  engine_smollm2_tokenizer):
     from flexevict.jobs.chat import load_chat_template
-    from flexevict.jobs.inputs import Prompter, Row
+    from flexevict.jobs.inputs import Prompter, Request, Row
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     template = load_chat_template(smollm2_path, "smollm2-135m")
     want = hf_smollm2_tokenizer.apply_chat_template(chat, tokenize=False,
                                                     add_generation_prompt=True)
     assert template.render(chat) == want
     assert want.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nWhat is" in want
-    prompter = Prompter(engine_smollm2_tokenizer, 2048, 8, template)
+    prompter = Prompter(engine_smollm2_tokenizer, 2048, Request(8, Sampling()), chat=True,
+                        template=lambda: template)
     by_prompt = prompter.encode(Row(1, 1, {}, prompt=chat[0]["content"]))
     assert by_prompt == prompter.encode(Row(1, 1, {}, messages=chat))
     assert by_prompt == hf_smollm2_tokenizer.apply_chat_template(
@@ -290,6 +295,7 @@ def test_a_100k_line_input_is_never_held_at_once(tmp_path, tiny_dir, monkeypatch
 
     class FakeLLM:                      # the engine is not what this test is about
         tokenizer = type("T", (), {"decode": staticmethod(lambda ids: "z")})
+        config = type("C", (), {"name": "fake", "eos_token_ids": ()})
 
         def generate_block(self, encoded, *a, **k):
             return [[1] for _ in encoded], {"policy": "full"}
@@ -309,7 +315,7 @@ def test_a_100k_line_input_is_never_held_at_once(tmp_path, tiny_dir, monkeypatch
 
 MANIFEST = {"version": job_state.VERSION, "input": {"size": 1, "sha256": "x"},
             "settings": {"--seed": 0}}
-ROW = {"line": 1, "prompt_tokens": 1, "out": {"id": 1, "tokens": 1}}
+ROW = {"line": 1, "prompt_tokens": 1, "tokens": 1, "out": {"id": 1, "tokens": 1}}
 
 
 def state_with_blocks(tmp_path, blocks=((0, 0, 2), (0, 1, 2))):
@@ -500,7 +506,7 @@ def test_a_line_too_long_by_its_bytes_is_refused_without_tokenizing():
 
         def encode(self, text, special=True):
             raise AssertionError("tokenized")
-    p = inputs.Prompter(Refuses(), max_positions=2048, max_new_tokens=32)
+    p = inputs.Prompter(Refuses(), max_positions=2048, defaults=inputs.Request(32, Sampling()))
     row = inputs.Row(7, "big", {}, prompt="x" * (16 * 2048))     # at least 2048 tokens
     with pytest.raises(inputs.RowError, match="32768 bytes .* exceeds the model's maximum"):
         p.encode(row)

@@ -20,6 +20,7 @@ from flexevict.generate import main
 from flexevict.jobs import ray_job
 from test_batch_job import ROWS, job, write_rows
 from test_cli import tiny_dir  # noqa: F401 (fixture)
+from test_openai_batch import MIXED, chat_dir, write_requests  # noqa: F401 (fixture)
 
 FLAGS = ["--max-new-tokens", "6", "--threads", "1", "--gpu-batch-size", "3",
          "--num-gpu-batches", "2", "--window", "12"]
@@ -74,6 +75,19 @@ class CrashOnce(ray_job.EngineWorker):
             except FileNotFoundError:
                 pass
         return super().run(block)
+
+
+@pytest.mark.slow
+def test_openai_requests_give_the_local_lines(cluster, tmp_path, chat_dir):  # noqa: F811
+    """OpenAI batch requests with their own settings (lengths, temperatures, seeds, n, chat
+    and completions): the same output lines on two Ray workers as on this machine."""
+    write_requests(tmp_path / "in.jsonl", [
+        {**r, "custom_id": f"{r['custom_id']}-{k}"} for k in range(3) for r in MIXED])
+    main(["--model", chat_dir, "--input", str(tmp_path / "in.jsonl"), "--output",
+          str(tmp_path / "local.jsonl"), *FLAGS])
+    local = (tmp_path / "local.jsonl").read_bytes()
+    assert local.count(b'"status_code": 200') == 3 * len(MIXED)
+    assert run_on_ray(tmp_path, chat_dir, 2, "ray.jsonl") == local
 
 
 @pytest.mark.slow

@@ -90,14 +90,14 @@ def _check_input(spec: JobSpec, paths: dict):
     skip, rows that cannot run go to out.errors.jsonl (id, line, reason) instead."""
     prompter = spec.prompter()
     if spec.on_error == "fail":
-        found = scan(spec.input, prompter, spec.window_rows, spec.chat)
+        found = scan(spec.input, prompter, spec.window_rows)
         if os.path.exists(paths["errors"]):       # a stale list from an earlier skip run
             os.remove(paths["errors"])
         return found
     tmp = paths["errors"] + ".partial"
     try:
         with open(tmp, "w", encoding="utf-8") as errors:
-            found = scan(spec.input, prompter, spec.window_rows, spec.chat, on_error=lambda e:
+            found = scan(spec.input, prompter, spec.window_rows, on_error=lambda e:
                          errors.write(json.dumps(e.as_record(), ensure_ascii=False) + "\n"))
         os.replace(tmp, paths["errors"])
     finally:
@@ -130,7 +130,7 @@ class Committer:
 
     def __call__(self, w: int, b: int, n: int, record: dict):
         self.seconds.append(self.state.commit(w, b, n, record))
-        tokens = sum(r["out"]["tokens"] for r in record["rows"])
+        tokens = sum(r["tokens"] for r in record["rows"])
         self.rows += len(record["rows"])
         self.tokens += tokens
         self.bar.update(len(record["rows"]), tokens)

@@ -33,6 +33,7 @@ class JobSpec:
     window: int = 0              # rows; 0: DEFAULT_WINDOW_BLOCKS blocks
     on_error: str = "fail"
     threads: int | None = None
+    created: int = 0             # an OpenAI output line's "created": the input file's mtime
 
     @property
     def block_size(self) -> int:
@@ -71,24 +72,43 @@ class JobSpec:
         return LLM(self.model, path=self.path, device=self.device, dtype=self.dtype,
                    seed=self.seed, progress=progress, placement=self.placement)
 
+    @property
+    def defaults(self):
+        """A row's settings where its line gives none (`inputs.Request`): the command line's."""
+        from flexevict.jobs.inputs import Request
+        return Request(self.max_new_tokens, self.sampling)
+
     def prompter(self):
         """Tokenizer, chat template and length check, without loading any weight."""
-        return _prompter(self.model, self.path, self.max_new_tokens, self.chat, self.policy)
+        return _prompter(self.model, self.path, self.defaults, self.chat, self.policy,
+                         self.block_size)
 
-    def row_seed(self, rid) -> int:
-        """A row's sampling seed, from --seed and its id only (not its block or position)."""
-        text = f"{self.seed}\0{json.dumps(rid, sort_keys=True)}".encode()
-        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+    def choice_seeds(self, row) -> list[int]:
+        """The sampling seed of each sequence a row runs (`Request.sequences`): from the
+        request's own seed, else from --seed and the row's id; never from its block or
+        position, so its tokens do not depend on where or beside what it runs."""
+        req = row.request
+        base = f"seed {req.seed}" if req.seed is not None else \
+            f"{self.seed}\0{json.dumps(row.id, sort_keys=True)}"
+        return [_seed(base if j == 0 else f"{base}\0choice {j}") for j in range(req.sequences)]
+
+
+def _seed(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
 @functools.lru_cache(maxsize=4)
-def _prompter(model: str, path: str | None, max_new_tokens: int, chat: bool, policy):
-    """Cached: a Ray worker process reads the tokenizer once for all its windows."""
+def _prompter(model: str, path: str | None, defaults, chat: bool, policy, block_size: int):
+    """Cached: a Ray worker process reads the tokenizer once for all its windows. The chat
+    template is read when a row needs it (with --chat, now: a model without one is refused
+    before anything runs)."""
     from flexevict.api import resolve_model
     from flexevict.io.tokenizer import load_tokenizer
     from flexevict.jobs.chat import load_chat_template
     from flexevict.jobs.inputs import Prompter
     config, weights = resolve_model(model, path)
-    template = load_chat_template(weights, model) if chat else None
-    return Prompter(load_tokenizer(weights), config.max_positions, max_new_tokens, template,
-                    policy.make())
+    template = functools.cache(lambda: load_chat_template(weights, model))
+    if chat:
+        template()
+    return Prompter(load_tokenizer(weights), config.max_positions, defaults, chat, template,
+                    policy.make(), block_size)

@@ -34,7 +34,8 @@ import time
 from flexevict.errors import FLAGS, UserError, setting
 
 MANIFEST, LOCK, BLOCKS, DAMAGED = "manifest.json", "lock", "blocks", "damaged"
-VERSION = 3                   # 2: blocks carry their SHA-256; 3: the manifest too
+VERSION = 4                   # 2: blocks carry their SHA-256; 3: the manifest too; 4: a
+                              # row's generated tokens beside its output (OpenAI lines)
 BLOCK_NAME = re.compile(r"(\d+)-(\d+)-of-(\d+)\.json")
 # what a full or read-only disk raises: an error line, not a traceback
 DISK_FULL = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
@@ -336,7 +337,7 @@ def _add(totals: dict, record: dict):
     totals["rows"] += len(record["rows"])
     totals["blocks"] += 1
     totals["prompt_tokens"] += sum(r["prompt_tokens"] for r in record["rows"])
-    totals["generated_tokens"] += sum(r["out"]["tokens"] for r in record["rows"])
+    totals["generated_tokens"] += sum(r["tokens"] for r in record["rows"])
     totals["generate_seconds"] += record["seconds"]
     if record["resolved"] not in totals["resolved"]:
         totals["resolved"].append(record["resolved"])

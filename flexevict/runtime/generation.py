@@ -44,48 +44,87 @@ class Sampling:
 
 class Sampler:
     """Picks the next token from logits. One seeded generator for the whole run, or, with
-    row_seeds, one per sequence: then a sequence's samples depend only on its own seed and
-    logits, not on which other sequences share its batch (what lets a batch job be resumed
-    or spread over workers and still sample the same tokens)."""
+    row_seeds, one per sequence: then a sequence's samples depend only on its own seed, settings
+    and logits, not on which other sequences share its batch (what lets a batch job be resumed
+    or spread over workers and still sample the same tokens). `cfg` is one Sampling for every
+    sequence or one per sequence (a batch job's requests each bring their own)."""
 
-    def __init__(self, cfg: Sampling, device, row_seeds: list[int] | None = None):
-        self.cfg = cfg
-        self.gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    def __init__(self, cfg: Sampling | list[Sampling], device, row_seeds: list[int] | None = None):
+        self.cfgs = cfg if isinstance(cfg, list) else None
+        self.cfg = cfg if self.cfgs is None else None
+        seed = cfg.seed if self.cfgs is None else 0
+        self.gen = torch.Generator(device=device).manual_seed(seed)
         self.row_gens = None
-        if row_seeds is not None and not cfg.is_greedy:
+        if row_seeds is not None and not self.all_greedy:
             self.row_gens = [torch.Generator(device=device).manual_seed(s) for s in row_seeds]
+        if self.cfgs is not None and self.row_gens is None and not self.all_greedy:
+            raise ValueError("per-sequence sampling settings need per-sequence seeds (row_seeds)")
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(c.is_greedy for c in self.cfgs) if self.cfgs is not None else self.cfg.is_greedy
 
     def __call__(self, logits: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """logits (B, V) fp32 of the sequences `rows` (with row_seeds) -> tokens (B,)."""
-        c = self.cfg
-        if c.is_greedy:
+        if self.all_greedy:
             return logits.argmax(dim=-1)
-        logits = logits / c.temperature
-        if c.top_k > 0:
-            kth = torch.topk(logits, min(c.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if c.top_p < 1.0:
-            sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum - sorted_logits.softmax(-1) >= c.top_p   # keep the token crossing top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-        probs = logits.softmax(-1)
         if self.row_gens is None:
+            probs = _probabilities(logits, self.cfg)
             return torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
-        return torch.cat([torch.multinomial(probs[r:r + 1], 1, generator=g)
-                          for r, g in enumerate(self.row_gens[rows])]).squeeze(-1)
+        cfgs = self.cfgs[rows] if self.cfgs is not None else [self.cfg] * logits.shape[0]
+        return torch.cat([_pick(logits[r:r + 1], c, g)
+                          for r, (c, g) in enumerate(zip(cfgs, self.row_gens[rows]))])
 
 
-def plan_batches(lengths: list[int], max_new_tokens: int, policy,
-                 batch_size: int) -> list[list[int]]:
+def _pick(logits: torch.Tensor, c: Sampling, gen: torch.Generator) -> torch.Tensor:
+    """One sequence's token: logits (1, V) -> (1,)."""
+    if c.is_greedy:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(_probabilities(logits, c), 1, generator=gen).squeeze(-1)
+
+
+def _probabilities(logits: torch.Tensor, c: Sampling) -> torch.Tensor:
+    """logits (B, V) -> sampling probabilities (B, V): temperature, then top-k, then top-p."""
+    logits = logits / c.temperature
+    if c.top_k > 0:
+        kth = torch.topk(logits, min(c.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if c.top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= c.top_p   # keep the token crossing top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    return logits.softmax(-1)
+
+
+def plan_batches(lengths: list[int], max_new_tokens: int | list[int], policy,
+                 batch_size: int, sizes: list[int] | None = None) -> list[list[int]]:
     """Indices of sequences grouped into batches of at most batch_size, shortest first, such
     that each sequence's greedy tokens are the same as when it runs alone: only sequences with
-    equal `policy.batch_key` share a batch (with `full`, any lengths do)."""
+    equal `policy.batch_key` share a batch (with `full`, any lengths do). max_new_tokens: one
+    for all or one per prompt; a run resolves its budget for its most steps, so with a budget
+    prompts of different lengths to generate never share a batch. sizes: the sequences each
+    index stands for (a request's several choices, run side by side; default 1 each)."""
+    n = len(lengths)
+    gens = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+    sizes = sizes or [1] * n
+    budgeted = policy.budget is not None or policy.budget_tokens is not None
     groups: dict[tuple, list[int]] = {}
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        groups.setdefault(policy.batch_key(lengths[i], max_new_tokens), []).append(i)
-    return [g[a:a + batch_size] for g in groups.values() for a in range(0, len(g), batch_size)]
+    for i in sorted(range(n), key=lambda i: lengths[i]):
+        key = policy.batch_key(lengths[i], gens[i])
+        groups.setdefault((gens[i], *key) if budgeted else key, []).append(i)
+    batches = []
+    for group in groups.values():
+        batch, used = [], 0
+        for i in group:
+            if batch and used + sizes[i] > batch_size:
+                batches.append(batch)
+                batch, used = [], 0
+            batch.append(i)
+            used += sizes[i]
+        batches.append(batch)
+    return batches
 
 
 def as_engine(model):
@@ -94,29 +133,63 @@ def as_engine(model):
     return model if isinstance(model, Engine) else Engine.resident(model)
 
 
-def generate(model, prompts: list[list[int]], max_new_tokens: int, policy,
-             sampling: Sampling = Sampling(), stop_ids=(), pad_id: int = 0,
-             row_seeds: list[int] | None = None) -> list[list[int]]:
+def generate(model, prompts: list[list[int]], max_new_tokens: int | list[int], policy,
+             sampling: Sampling | list[Sampling] = Sampling(), stop_ids=(), pad_id: int = 0,
+             row_seeds: list[int] | None = None, ends=None) -> list[list[int]]:
     """Generate up to max_new_tokens per prompt with an Engine (or a resident Transformer); a
-    sequence stops after emitting a stop id (the stop id is kept in its output). row_seeds:
-    one sampling seed per prompt (see `Sampler`); default one generator seeded by sampling.seed."""
-    if max_new_tokens < 1:
-        raise UserError(f"{setting('max_new_tokens')} must be >= 1 (got {max_new_tokens})")
-    sampling.check()
+    sequence stops after emitting a stop id (the stop id is kept in its output).
+
+    max_new_tokens and sampling: one for every prompt, or one per prompt (the run decodes for
+    the most; each sequence is cut at its own). row_seeds: one sampling seed per prompt (see
+    `Sampler`); default one generator seeded by sampling.seed. ends(r, ids) -> True once prompt
+    r's generated ids so far end its output (e.g. a stop string appeared): checked on the host
+    after every step, only when given; the output is cut there."""
+    n = len(prompts)
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+    if min(limits) < 1:
+        raise UserError(f"{setting('max_new_tokens')} must be >= 1 (got {min(limits)})")
+    for s in (sampling if isinstance(sampling, list) else [sampling]):
+        s.check()
     engine = as_engine(model)
-    sample = Sampler(sampling, engine.tiers.compute, row_seeds)
-    rows = engine.placement.batch_rows(len(prompts))           # the engine's GPU batches
-    stop = torch.tensor(sorted(stop_ids) or [-1], device=engine.tiers.compute)
+    device = engine.tiers.compute
+    sample = Sampler(sampling, device, row_seeds)
+    rows = engine.placement.batch_rows(n)           # the engine's GPU batches
+    stop = torch.tensor(sorted(stop_ids) or [-1], device=device)
+    last_step = torch.tensor(limits, device=device) - 1
+    ended = _Ends(n, ends)
     done = {}
 
     def consume(i, k, h, head):
         nxt = sample(head(h[:, -1] if h.dim() == 3 else h), rows[k])
-        done[k] = done.get(k, False) | torch.isin(nxt, stop)
+        finished = torch.isin(nxt, stop) | (last_step[rows[k]] <= i)
+        if ends is not None:
+            finished |= torch.tensor(ended.step(rows[k], nxt.tolist()), device=device)
+        done[k] = done.get(k, False) | finished
         return nxt
 
-    result = engine.run(prompts, max_new_tokens, policy, consume, pad_id,
+    result = engine.run(prompts, max(limits), policy, consume, pad_id,
                         until=lambda: all(bool(d.all()) for d in done.values()))
-    return [_cut_at_stop(row, stop_ids) for row in result.tokens.tolist()]
+    return [_cut_at_stop(row[:min(limits[r], ended.at[r])], stop_ids)
+            for r, row in enumerate(result.tokens.tolist())]
+
+
+class _Ends:
+    """`generate`'s host-side record of each sequence's ids, for its `ends` callback."""
+
+    def __init__(self, n: int, ends):
+        self.ends, self.ids = ends, [[] for _ in range(n)]
+        self.at = [float("inf")] * n     # how many ids a sequence keeps once it has ended
+
+    def step(self, rows: slice, tokens: list[int]) -> list[bool]:
+        """One step's tokens of the sequences `rows` -> whether each has ended."""
+        out = []
+        for r, t in zip(range(len(self.ids))[rows], tokens):
+            if self.at[r] == float("inf"):
+                self.ids[r].append(t)
+                if self.ends(r, self.ids[r]):
+                    self.at[r] = len(self.ids[r])
+            out.append(self.at[r] != float("inf"))
+        return out
 
 
 def _cut_at_stop(row: list[int], stop_ids) -> list[int]:
