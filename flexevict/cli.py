@@ -103,7 +103,7 @@ def add_placement_args(p: argparse.ArgumentParser, gpu_batch_size: int = 0):
     g.add_argument("--no-weight-cache", dest="weight_cache", action="store_false",
                    help="do not keep disk-resident dummy weights for the next run (default: "
                         "kept in OFFLOAD_DIR/weights/, capped by FLEXEVICT_WEIGHT_CACHE_GIB, "
-                        "default 100)")
+                        "default 100; a line at exit says how much is kept)")
     g.add_argument("--gpu-mem-limit", type=float, default=None, metavar="GB",
                    help="GPU memory the run may use, in GiB (bench caps the allocator at it, e.g. "
                         "16 for a T4's setting; auto plans within it; default: the GPU's)")
@@ -152,7 +152,7 @@ def placement_from_args(args, config=None, lengths: tuple | None = None, device=
     longest run the model allows: the model's maximum positions, with --max-new-tokens of them
     generated (a conservative choice: a smaller batch or more offloading than shorter prompts
     need). With auto, --gpu-batch-size 0 (generate's "unset") is auto too."""
-    from flexevict.runtime import rundir
+    from flexevict.runtime import rundir, weight_cache
     from flexevict.runtime.placement import Placement
     _check_percent(args.percent)
     if has_auto(args):
@@ -168,6 +168,8 @@ def placement_from_args(args, config=None, lengths: tuple | None = None, device=
                                     weight_cache=args.weight_cache)
     if placement.uses_disk:
         rundir.check_writable(placement.offload_dir)
+        if placement.weight_cache:
+            weight_cache.cap_bytes()        # a bad cap is one line now, not after calibration
     return placement
 
 

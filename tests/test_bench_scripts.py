@@ -39,6 +39,16 @@ def check_batching(out, stdout, tmp):
     assert r["length-sorted"]["tokens_per_s"] > 0
 
 
+def check_dummy_weights(out, stdout, tmp):
+    r = _json(out)
+    assert [(row["shape"], row["dtype"]) for row in r["rows"]] == [("64x64", "float32"),
+                                                                   ("64x64", "float16"),
+                                                                   ("3x5", "float32"),
+                                                                   ("3x5", "float16")]
+    assert all(v > 0 for row in r["rows"] for v in row["gb_per_s"].values())
+    assert "after/before" in stdout
+
+
 def check_common(out, stdout, tmp):
     meta = json.loads(stdout)
     assert {"device", "torch", "cuda", "kernels", "commit"} <= set(meta)
@@ -131,6 +141,9 @@ CASES = {
                      "--json", "OUT"], check_batching),
     # not a benchmark: the helpers the others import; run, it prints the metadata they record
     "common.py": ([], check_common),
+    # two small tensors (one of odd length), one repeat
+    "dummy_weights.py": (["--shapes", "64x64,3x5", "--repeats", "1", "--json", "OUT"],
+                         check_dummy_weights),
     # the tables from the committed results (the suite itself measures for minutes)
     "placement_table.py": ([PLACEMENT], check_placement_table),
     # one CPU case, one round, 2 tokens, against a copy of this same tree

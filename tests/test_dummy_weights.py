@@ -1,5 +1,6 @@
-"""Dummy weights are the same numbers on every device and for every chunk size, so they can be
-made on the compute device and copied to a CPU or disk tier without changing any token."""
+"""Dummy weights are the same numbers on every device, for every chunk size and thread count,
+so they can be made on the compute device (or on several CPU threads) and copied to a CPU or
+disk tier without changing any token. The scheme is in flexevict/io/seeded.py."""
 import zlib
 
 import numpy as np
@@ -7,11 +8,13 @@ import pytest
 import torch
 from tiny import CONFIGS, rand_prompts
 
+from flexevict.io import seeded, weights
+from flexevict.io.seeded import seeded_normal
+from flexevict.io.weights import DummyWeights
+from flexevict.policies import get_policy
 from flexevict.runtime.engine import Engine
 from flexevict.runtime.generation import generate
 from flexevict.runtime.placement import Placement
-from flexevict.policies import get_policy
-from flexevict.io.weights import DummyWeights, seeded_normal
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -26,8 +29,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ an independent reference
 
-def reference_normal(key: int, idx: np.ndarray, scale: float, base: float) -> np.ndarray:
-    """The same generator in numpy uint64 (wrapping multiply, logical shifts) at indices idx."""
+def reference_normal(key: int, n: int, scale: float, base: float) -> np.ndarray:
+    """The scheme written plainly in numpy: splitmix64 of the counter words (wrapping uint64),
+    then the sum of each 32-bit half's four bytes, read as uint8s (little-endian)."""
     u64 = np.uint64
 
     def mix(x):
@@ -37,33 +41,62 @@ def reference_normal(key: int, idx: np.ndarray, scale: float, base: float) -> np
 
     with np.errstate(over="ignore"):
         start = mix(np.array([key % 2 ** 64], dtype=u64))[0]
-        h = mix(idx.astype(u64) * u64(0x9E3779B97F4A7C15) + start)
-    lanes = sum((h >> u64(s)) & u64(0xFFFF) for s in (0, 16, 32, 48)).astype(np.int64)
-    centred = (lanes - 131070).astype(np.float32)
-    mul = np.float32(scale / ((2 ** 32 - 1) / 3) ** 0.5)
-    return centred * mul + np.float32(base)          # float32 ops, IEEE-rounded
+        h = mix(np.arange((n + 1) // 2, dtype=u64) * u64(0x9E3779B97F4A7C15) + start)
+    sums = h.view(np.uint8).reshape(-1, 4).astype(np.int64).sum(axis=1)[:n]
+    mul = np.float32(scale / (4 * (256 ** 2 - 1) / 12) ** 0.5)
+    return (sums - 510).astype(np.float32) * mul + np.float32(base)   # float32 ops, IEEE-rounded
 
 
 @pytest.mark.parametrize("key,scale,base", [(0, 1.0, 0.0), (12345, 0.02, 0.0),
                                             (2 ** 40 + 7, 0.1, 1.0),
                                             (3 * 1_000_003, 64 ** -0.5, 0.0)])
-def test_matches_an_independent_uint64_implementation(key, scale, base):
-    """Pins the exact algorithm: a sign-extending shift or a lost wrap would change these."""
-    n = 300_000
+def test_matches_an_independent_implementation(key, scale, base):
+    """Pins the exact scheme: a sign-extending shift, a lost wrap or a swapped half would
+    change these."""
+    n = 300_001
+    want = reference_normal(key, n, scale, base)
     got = seeded_normal(key, n, scale=scale, base=base)
-    idx = np.concatenate([np.arange(64), np.random.default_rng(key % 97).integers(0, n, 2000),
-                          np.arange(n - 64, n)])
-    want = reference_normal(key, idx, scale, base)
-    assert np.array_equal(got.numpy()[idx].view(np.int32), want.view(np.int32))
-    # the cast to half rounds to nearest even on every device
-    assert np.array_equal(got.to(torch.float16).numpy()[idx].view(np.int16),
-                          want.astype(np.float16).view(np.int16))
+    assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32))
+    # made in half precision directly: the float32 value rounded to nearest even, once
+    half = seeded_normal(key, n, scale=scale, base=base, dtype=torch.float16)
+    assert np.array_equal(half.numpy().view(np.int16), want.astype(np.float16).view(np.int16))
+    bf16 = seeded_normal(key, n, scale=scale, base=base, dtype=torch.bfloat16)
+    assert torch.equal(bits(bf16), bits(torch.from_numpy(want).to(torch.bfloat16)))
 
 
 def test_large_keys_and_negative_seeds_wrap_like_uint64():
     for key in (2 ** 64 + 5, -3 * 1_000_003 + 17):
-        want = reference_normal(key, np.arange(100), 1.0, 0.0)
-        assert np.array_equal(seeded_normal(key, 100).numpy().view(np.int32), want.view(np.int32))
+        want = reference_normal(key, 101, 1.0, 0.0)
+        assert np.array_equal(seeded_normal(key, 101).numpy().view(np.int32), want.view(np.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_torch_path_makes_the_numpy_paths_bits(dtype):
+    """A GPU runs `_fill_torch` (int64 with masked shifts), a CPU numpy (uint64): both run on
+    a CPU, so their agreement is checked here, including odd lengths and chunk edges."""
+    for n, chunk in [(1, 2), (7, 4), (4099, 1024), (100_003, 1 << 15)]:
+        mul = float(np.float32(0.3 / seeded.STD))
+        for add in (0.0, 1.0):
+            via_torch = torch.empty(n, dtype=dtype)
+            seeded._fill_torch(via_torch, seeded.splitmix64(42), mul, add, chunk)
+            via_numpy = seeded_normal(42, n, scale=0.3, base=add, dtype=dtype)
+            assert torch.equal(bits(via_torch), bits(via_numpy)), (n, chunk, add)
+
+
+def test_threads_and_blocks_do_not_change_a_bit(monkeypatch):
+    n = 300_007
+    ref = reference_normal(5, n, 0.5, 0.0)
+    monkeypatch.setattr(seeded, "CPU_BLOCK", 1 << 14)       # many blocks, several per thread
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for dtype in (torch.float32, torch.float16):
+                got = seeded_normal(5, n, scale=0.5, dtype=dtype, chunk=1 << 12)
+                want = torch.from_numpy(ref).to(dtype)
+                assert torch.equal(bits(got), bits(want)), (threads, dtype)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -120,10 +153,17 @@ def test_a_big_tensor_is_close_to_normal():
     w = seeded_normal(7, 4096 * fan_in, scale=fan_in ** -0.5).double() * fan_in ** 0.5
     assert abs(w.mean().item()) < 4 / 4096
     assert abs(w.std().item() - 1) < 1e-3
-    assert w.abs().max().item() <= 12 ** 0.5                   # Irwin-Hall n=4: bounded at 3.46
+    assert w.abs().max().item() <= 510 / seeded.STD + 1e-6      # bounded at 3.45 sigma
     assert abs((w ** 4).mean().item() - 2.7) < 0.02            # its kurtosis, 3 - 1.2 / 4
-    # mass within one sigma: 0.6693 for Irwin-Hall n=4 (a normal has 0.6827)
-    assert abs((w.abs() < 1).double().mean().item() - 0.6693) < 0.002
+    # sums of four bytes: 1021 values, of which the outermost have odds 2**-32 each
+    assert 990 < len(torch.unique(w)) <= 1021
+    # mass within one sigma: the exact law of a sum of four uniform bytes (a normal: 0.6827)
+    law = np.ones(1)
+    for _ in range(4):
+        law = np.convolve(law, np.full(256, 1 / 256))
+    within = law[np.abs(np.arange(1021) - 510) < seeded.STD].sum()
+    assert abs(within - 0.6683) < 1e-4
+    assert abs((w.abs() < 1).double().mean().item() - within) < 0.002
 
 
 def test_same_name_and_seed_same_tensor_else_different():
@@ -137,6 +177,16 @@ def test_same_name_and_seed_same_tensor_else_different():
     # the per-tensor key is seed * 1_000_003 + crc32(name), as before the change
     key = 1 * 1_000_003 + zlib.crc32(q0.encode())
     assert torch.equal(c.load(q0), seeded_normal(key, 64 * 64, scale=64 ** -0.5).view(64, 64))
+
+
+def test_the_cache_key_names_the_seed_and_the_scheme(monkeypatch):
+    """A kept weight file (runtime/weight_cache.py) made under another scheme or seed is never
+    mapped into a run: the folder name changes with both."""
+    cfg = CONFIGS["opt"]
+    key = DummyWeights(cfg, 0).cache_key
+    assert DummyWeights(cfg, 1).cache_key != key
+    monkeypatch.setattr(weights, "SCHEME", "another")
+    assert DummyWeights(cfg, 0).cache_key != key
 
 
 def test_nearby_keys_are_not_shifted_copies():

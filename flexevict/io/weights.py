@@ -18,89 +18,9 @@ import torch
 
 from flexevict.core.config import ModelConfig, load_hf_config, to_hf_dict
 from flexevict.errors import UserError
+from flexevict.io.seeded import SCHEME, seeded_normal
 
 DUMMY = "_DUMMY_"   # FlexGen's spelling for "no weights, random numbers"
-
-
-# splitmix64's constants ("Fast splittable pseudorandom number generators", Steele, Lea and
-# Flood, OOPSLA 2014, section 3), as signed int64 so torch can hold them.
-_GAMMA, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_U64 = (1 << 64) - 1
-
-
-def _i64(x: int) -> int:
-    """An unsigned 64-bit value as the int64 with the same bits."""
-    x &= _U64
-    return x - (1 << 64) if x >> 63 else x
-
-
-def splitmix64(x: int) -> int:
-    """splitmix64's output mix of a 64-bit value (Python ints; the reference for `_mix_`)."""
-    x &= _U64
-    x = ((x ^ (x >> 30)) * _MIX1) & _U64
-    x = ((x ^ (x >> 27)) * _MIX2) & _U64
-    return x ^ (x >> 31)
-
-
-def _mix_(z: torch.Tensor) -> torch.Tensor:
-    """`splitmix64` on an int64 tensor, in place. torch's `>>` on int64 is arithmetic, so each
-    shift is masked to be logical; int64 multiplication wraps mod 2**64 on CPU and CUDA alike."""
-    for shift, mul in ((30, _MIX1), (27, _MIX2), (31, None)):
-        z.bitwise_xor_((z >> shift).bitwise_and_((1 << (64 - shift)) - 1))
-        if mul is not None:
-            z.mul_(_i64(mul))
-    return z
-
-
-# The sum of the four 16-bit lanes of a uniform 64-bit hash (Irwin-Hall, n = 4) has mean
-# 4 * 65535 / 2 and variance 4 * (2**32 - 1) / 12.
-_IH_MEAN, _IH_STD = 131070, ((2 ** 32 - 1) / 3) ** 0.5
-_LANES = 0x0000FFFF0000FFFF          # 16-bit lanes 0 and 2 of a 64-bit word
-
-
-def _irwin_hall(z: torch.Tensor) -> torch.Tensor:
-    """Sum of each int64 hash's four 16-bit lanes, exact integers in [0, 262140]; consumes z."""
-    pairs = (z >> 16).bitwise_and_(_LANES)       # lanes 1 and 3 (sign bits masked off)
-    pairs.add_(z.bitwise_and_(_LANES))           # two 32-bit lanes, each a 17-bit sum
-    total = pairs >> 32                          # < 2**17, so the arithmetic shift is logical
-    return total.add_(pairs.bitwise_and_(0xFFFFFFFF))
-
-
-def _default_chunk(device) -> int:
-    # CPU: torch runs element-wise ops on at most 32K elements on one thread; that keeps the
-    # int64 temporaries in cache and avoids a thread barrier per op, which costs more than it
-    # saves here (the old torch.randn generator was single-threaded too). Elsewhere 4M
-    # elements: ~100 MB of temporaries at the peak.
-    return 1 << 15 if torch.device(device).type == "cpu" else 1 << 22
-
-
-def seeded_normal(key: int, numel: int, device="cpu", scale: float = 1.0, base: float = 0.0,
-                  chunk: int | None = None) -> torch.Tensor:
-    """(numel,) float32 ~ base + scale * N(0, 1), bit-identical on every device and for every
-    chunk size (approximately normal: Irwin-Hall with n = 4, bounded by 3.46 sigma).
-
-    Element i is a pure function of (key, i): splitmix64 of splitmix64(key) + i * gamma, in
-    int64 arithmetic that wraps the same way everywhere; the sum of its four 16-bit lanes
-    (`_irwin_hall`) is an integer below 2**18, so its float32 and the float32 subtraction of
-    the mean are exact; then one float32 multiply and add by constants rounded to float32 on
-    the host. Those are IEEE correctly rounded operations, with no transcendental function
-    whose last bit could differ between CPU and CUDA. chunk (elements) bounds the int64
-    temporaries, 8 bytes per element.
-    """
-    start = splitmix64(key)                      # decorrelates the streams of nearby keys
-    mul = float(np.float32(scale / _IH_STD))     # exact in float32, so any device rounds alike
-    add = float(np.float32(base))
-    chunk = chunk or _default_chunk(device)
-    # i * gamma for i < chunk, reused by every chunk (one add instead of arange and multiply)
-    steps = torch.arange(min(chunk, numel), dtype=torch.int64, device=device).mul_(_i64(_GAMMA))
-    out = torch.empty(numel, dtype=torch.float32, device=device)
-    for lo in range(0, numel, chunk):
-        piece = out[lo:lo + chunk]
-        z = steps[:piece.numel()] + _i64(start + lo * _GAMMA)
-        piece.copy_(_irwin_hall(_mix_(z))).sub_(_IH_MEAN).mul_(mul)
-        if add:
-            piece.add_(add)
-    return out
 
 
 class DummyWeights:
@@ -110,8 +30,10 @@ class DummyWeights:
     uniform and score-based eviction has something to rank); embeddings ~ N(0, 1) (learned
     positions N(0, 0.02)); norm weights 1 + N(0, 0.1); biases N(0, 0.02). Each tensor's seed is
     derived from its name, so the result does not depend on load order and no full copy of the
-    model is ever needed; the numbers (`seeded_normal`) do not depend on the device that makes
-    them, so `generating_on` can make them on the compute device for a CPU or disk tier.
+    model is ever needed; the numbers (`seeded_normal`, scheme in io/seeded.py: approximately
+    normal, Irwin-Hall n = 4) do not depend on the device that makes them, so `generating_on`
+    can make them on the compute device for a CPU or disk tier. Tensor `name`'s key is
+    seed * 1_000_003 + crc32(name).
     """
 
     def __init__(self, config: ModelConfig, seed: int = 0, generate_on=None):
@@ -120,9 +42,10 @@ class DummyWeights:
 
     @property
     def cache_key(self) -> str:
-        """What decides every number (model shapes and seed): the weight cache's folder name
-        (runtime/weight_cache.py). The name alone is not enough: test configs share names."""
-        shapes = zlib.crc32(repr(sorted(self.shapes.items())).encode())
+        """What decides every number (model shapes, seed and the generator's scheme): the weight
+        cache's folder name (runtime/weight_cache.py). The name alone is not enough: test
+        configs share names; the scheme is hashed in so no run maps an older scheme's files."""
+        shapes = zlib.crc32(repr((SCHEME, sorted(self.shapes.items()))).encode())
         return f"{self.config.name}-{shapes:08x}-seed{self.seed}"
 
     def generating_on(self, device) -> "DummyWeights":
@@ -144,8 +67,9 @@ class DummyWeights:
         shape = self.shapes[name]
         key = self.seed * 1_000_003 + zlib.crc32(name.encode())
         scale, base = self.scale_and_base(name)
-        t = seeded_normal(key, math.prod(shape), self.generate_on or device, scale, base)
-        return t.view(shape).to(dtype).to(device)
+        t = seeded_normal(key, math.prod(shape), self.generate_on or device, scale, base,
+                          dtype=dtype)
+        return t.view(shape).to(device)
 
     def close(self):
         pass
