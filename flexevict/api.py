@@ -76,6 +76,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.path)
         source = open_weights(self.path, self.config, seed)
         self.placement = placement or Placement()
+        self.progress = progress       # the default of generate's and score's progress
         try:
             with Progress(self.config.num_layers, "loading", "layer", "MB",
                           enabled=progress) as bar:
@@ -87,7 +88,7 @@ class LLM:
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[str], max_new_tokens: int = 32,
                  sampling: Sampling = Sampling(), policy: PolicySpec | str = "full",
-                 batch_size: int = 8, stop_ids=None, progress: bool = False) -> list[dict]:
+                 batch_size: int = 8, stop_ids=None, progress: bool | None = None) -> list[dict]:
         """-> one dict per prompt, in order: {"completion", "tokens", "ids", "resolved"}
         ("resolved": the policy's budget as its batch resolved it, `Policy.describe`).
 
@@ -96,6 +97,8 @@ class LLM:
         whose budget resolves alike share a batch (`generation.plan_batches`), so a prompt's
         greedy tokens never depend on the other prompts. (`flexevict.generate --input` runs
         files of any size through `generate_block`, block by block: see flexevict/jobs.)
+        progress: a line every few seconds (a bar on a terminal), per decode step; default:
+        the LLM's `progress`.
         """
         p = self.placement
         if p.gpu_batch_size:
@@ -107,29 +110,32 @@ class LLM:
         results: list[dict | None] = [None] * len(prompts)
         batches = plan_batches([len(e) for e in encoded], max_new_tokens, spec.make(), batch_size)
         with Progress(len(prompts), "generating", "prompt", "generated tokens",
-                      enabled=progress) as bar:
+                      enabled=self.progress if progress is None else progress) as bar:
             for batch in batches:
+                def on_step(tokens, step, steps, k=len(batch)):
+                    bar.update(0, tokens, partial=k * step / steps)
                 outs, resolved = self.generate_block([encoded[i] for i in batch], max_new_tokens,
-                                                     sampling, spec, stop_ids)
+                                                     sampling, spec, stop_ids, on_step=on_step)
                 for i, ids in zip(batch, outs):
                     results[i] = {"completion": self.tokenizer.decode(ids), "tokens": len(ids),
                                   "ids": ids, "resolved": resolved}
-                bar.update(len(batch), sum(len(ids) for ids in outs))
+                bar.update(len(batch), 0)
         return results
 
     def generate_block(self, encoded: list[list[int]], max_new_tokens: int | list[int],
                        sampling: Sampling | list[Sampling], policy: PolicySpec | str,
                        stop_ids=None, row_seeds: list[int] | None = None,
-                       ends=None) -> tuple[list[list[int]], dict]:
+                       ends=None, on_step=None) -> tuple[list[list[int]], dict]:
         """One engine run over token-id prompts that may share a batch (one batch of
         `generation.plan_batches`; at most gpu_batch_size x num_gpu_batches of them with
         --gpu-batch-size) -> (generated ids per prompt, the policy's resolved budget).
         max_new_tokens, sampling: one for all prompts or one per prompt; row_seeds: one
-        sampling seed per prompt (`generation.Sampler`); ends: see `generation.generate`."""
+        sampling seed per prompt (`generation.Sampler`); ends, on_step: see
+        `generation.generate`."""
         pol = as_spec(policy).make()
         stop = tuple(self.config.eos_token_ids) if stop_ids is None else tuple(stop_ids)
         outs = generate(self.engine, encoded, max_new_tokens, pol, sampling, stop, self.pad_id,
-                        row_seeds, ends)
+                        row_seeds, ends, on_step)
         steps = max(max_new_tokens) if isinstance(max_new_tokens, list) else max_new_tokens
         return outs, pol.describe(resolved_layout(pol, encoded, steps))
 
@@ -144,20 +150,21 @@ class LLM:
         self.engine.close()
 
     def score_ids(self, ids: list[int], policy: PolicySpec | str = "full",
-                  prefill_tokens: int | None = None, progress: bool = False) -> dict:
+                  prefill_tokens: int | None = None, progress: bool | None = None) -> dict:
         """Perplexity of ids; with eviction, tokens after the prefill go one at a time through
         the decode path. -> {"tokens", "nll", "ppl", "slots", "resolved"} (the policy's
         budget as resolved, `Policy.describe`)."""
         if len(ids) < 2:
             raise UserError(f"text has {len(ids)} token(s); perplexity needs at least 2")
         pol = as_spec(policy).make()
-        nll, layout = stream_nll(self.engine, [ids], pol, prefill_tokens, progress=progress)
+        show = self.progress if progress is None else progress
+        nll, layout = stream_nll(self.engine, [ids], pol, prefill_tokens, progress=show)
         mean = float(nll.double().mean())
         return {"tokens": len(ids), "nll": mean, "ppl": math.exp(mean), "slots": layout.slots,
                 "resolved": pol.describe(layout)}
 
     def score(self, text: str, max_tokens: int | None = None, policy: PolicySpec | str = "full",
-              prefill_tokens: int | None = None, progress: bool = False) -> dict:
+              prefill_tokens: int | None = None, progress: bool | None = None) -> dict:
         """Perplexity of the text's first max_tokens tokens (tokenized without special tokens)."""
         ids = self.tokenizer.encode(text, special=False)
         return self.score_ids(ids[:max_tokens] if max_tokens else ids, policy, prefill_tokens,

@@ -22,6 +22,7 @@ from flexevict.cli import (add_model_args, check_gpu_batch_size, cpu_threads, ha
                            placement_from_args, policy_spec, print_resolved)
 from flexevict.errors import UserError, cli_errors
 from flexevict.runtime.generation import Sampling
+from flexevict.runtime.progress import Progress
 
 DEFAULT_GPU_BATCH = 8            # generate's --gpu-batch-size when not given
 
@@ -143,7 +144,9 @@ def generate_one(spec, prompt: str) -> str:
         raise UserError(f"--prompt: {e.reason}") from None
     llm = spec.llm(progress=True)
     try:
-        outs, resolved = llm.generate_block([ids], spec.max_new_tokens, spec.sampling, spec.policy)
+        with Progress(spec.max_new_tokens, "generating", "token") as bar:
+            outs, resolved = llm.generate_block([ids], spec.max_new_tokens, spec.sampling,
+                                                spec.policy, on_step=lambda *_: bar.update())
     finally:
         llm.close()
     print_resolved([resolved])

@@ -33,17 +33,19 @@ def window_todo(spec, win, prompter, done) -> list[tuple[int, int, list[Row]]]:
     return [(b, len(blocks), rows) for b, rows in enumerate(blocks) if b not in done]
 
 
-def run_block(llm, spec, rows: list[Row]) -> dict:
+def run_block(llm, spec, rows: list[Row], on_step=None) -> dict:
     """Generate one block -> its commit record: {"rows": [{"line", "prompt_tokens", "tokens",
     "out"}], "resolved": the policy's budget, "seconds": generation time}. `out` is the output
     line: a plain row as written plus "completion" and "tokens"; an OpenAI request's batch
-    output line (`openai_batch.response_line`). "tokens": the row's generated tokens."""
+    output line (`openai_batch.response_line`). "tokens": the row's generated tokens.
+    on_step(tokens, step, steps): after each decode step (`generation.generate`)."""
     t0 = time.perf_counter()
     seqs = [(r, seed) for r in rows for seed in spec.choice_seeds(r)]
     reqs = [r.request for r, _ in seqs]
     outs, resolved = llm.generate_block(
         [r.ids for r, _ in seqs], [q.max_new_tokens for q in reqs], [q.sampling for q in reqs],
-        spec.policy, row_seeds=[seed for _, seed in seqs], ends=_stop_strings(llm, reqs))
+        spec.policy, row_seeds=[seed for _, seed in seqs], ends=_stop_strings(llm, reqs),
+        on_step=on_step)
     seconds = time.perf_counter() - t0
     out, at = [], 0
     for r in rows:

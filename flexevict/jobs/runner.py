@@ -121,19 +121,29 @@ def _already_complete(output: str, paths: dict, manifest: dict) -> bool:
 
 
 class Committer:
-    """Commits finished blocks to the state folder, timing each commit and moving the bar."""
+    """Commits finished blocks to the state folder, timing each commit and moving the bar (by
+    the decode step while a block runs here: `step`)."""
 
     def __init__(self, state: JobState, bar: Progress):
         self.state, self.bar = state, bar
         self.seconds: list[float] = []
         self.rows = self.tokens = 0
+        self.shown = 0                   # tokens of the block in flight the bar has counted
+
+    def step(self, rows: int):
+        """-> the on_step of a block of `rows` rows run here: the bar moves every step."""
+        def on_step(tokens: int, step: int, steps: int):
+            self.shown += tokens
+            self.bar.update(0, tokens, partial=rows * step / steps)
+        return on_step
 
     def __call__(self, w: int, b: int, n: int, record: dict):
         self.seconds.append(self.state.commit(w, b, n, record))
         tokens = sum(r["tokens"] for r in record["rows"])
         self.rows += len(record["rows"])
         self.tokens += tokens
-        self.bar.update(len(record["rows"]), tokens)
+        self.bar.update(len(record["rows"]), tokens - self.shown)
+        self.shown = 0
 
 
 def _run_here(spec: JobSpec, found, state: JobState, commit: Committer, llm):
@@ -147,7 +157,7 @@ def _run_here(spec: JobSpec, found, state: JobState, commit: Committer, llm):
 def _run_window(spec: JobSpec, w: int, win, prompter, done: set, commit: Committer, llm):
     """One window's missing blocks, run and committed (its rows are freed on return)."""
     for b, n, rows in window_todo(spec, win, prompter, done):
-        commit(w, b, n, run_block(llm, spec, rows))
+        commit(w, b, n, run_block(llm, spec, rows, commit.step(len(rows))))
 
 
 def _summary(spec, paths, manifest, found, totals, commit, this_run: dict) -> dict:

@@ -135,7 +135,7 @@ def as_engine(model):
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int | list[int], policy,
              sampling: Sampling | list[Sampling] = Sampling(), stop_ids=(), pad_id: int = 0,
-             row_seeds: list[int] | None = None, ends=None) -> list[list[int]]:
+             row_seeds: list[int] | None = None, ends=None, on_step=None) -> list[list[int]]:
     """Generate up to max_new_tokens per prompt with an Engine (or a resident Transformer); a
     sequence stops after emitting a stop id (the stop id is kept in its output).
 
@@ -143,7 +143,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int | list[int], p
     the most; each sequence is cut at its own). row_seeds: one sampling seed per prompt (see
     `Sampler`); default one generator seeded by sampling.seed. ends(r, ids) -> True once prompt
     r's generated ids so far end its output (e.g. a stop string appeared): checked on the host
-    after every step, only when given; the output is cut there."""
+    after every step, only when given; the output is cut there. on_step(tokens, step, steps)
+    after each step: the tokens it generated (sequences still running), for progress."""
     n = len(prompts)
     limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
     if min(limits) < 1:
@@ -167,8 +168,18 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int | list[int], p
         done[k] = done.get(k, False) | finished
         return nxt
 
-    result = engine.run(prompts, max(limits), policy, consume, pad_id,
-                        until=lambda: all(bool(d.all()) for d in done.values()))
+    running, step, steps = n, 0, max(limits)       # sequences still running, steps run
+
+    def until():
+        nonlocal running, step
+        step += 1
+        left = sum(int((~d).sum()) for d in done.values())
+        if on_step is not None:
+            on_step(running, step, steps)
+        running = left
+        return left == 0
+
+    result = engine.run(prompts, steps, policy, consume, pad_id, until=until)
     return [_cut_at_stop(row[:min(limits[r], ended.at[r])], stop_ids)
             for r, row in enumerate(result.tokens.tolist())]
 

@@ -1,17 +1,20 @@
 """Progress a person can watch: a tqdm bar on a terminal; under a scheduler, `nohup` or a pipe
-(stderr not a terminal), one line every FLEXEVICT_PROGRESS_SECONDS seconds (default 30) with
-units done/total, the rate of the tracked quantity and the ETA, and a last line at the end."""
+(stderr not a terminal), one line every FLEXEVICT_PROGRESS_SECONDS seconds (default 5) with
+units done/total, the rate of the tracked quantity and the ETA, and a last line at the end
+(unless the line before it already said the same)."""
 from __future__ import annotations
 
 import os
 import sys
 import time
 
-DEFAULT_SECONDS = 30.0
+DEFAULT_SECONDS = 5.0
 
 
 class Progress:
-    """update(n, tokens) after each unit of work (a layer, a batch of prompts, a token step)."""
+    """update(n, tokens) after each unit of work (a layer, a batch of prompts, a token step);
+    update(0, tokens, partial) while a long unit runs (a batch's decode steps), so that its
+    lines keep coming and its ETA counts the part of the unit already done."""
 
     def __init__(self, total: int, desc: str, unit: str, rate_unit: str | None = None,
                  file=None, enabled: bool = True):
@@ -20,6 +23,8 @@ class Progress:
         self.rate_unit = rate_unit or unit
         self.file = file or sys.stderr
         self.done = self.counted = 0
+        self.partial = 0.0                  # units of the work in flight already done
+        self.shown = None                   # (done, counted) of the last line printed
         self.start = self.last = time.monotonic()
         self.interval = float(os.environ.get("FLEXEVICT_PROGRESS_SECONDS", DEFAULT_SECONDS))
         self.bar = None
@@ -28,9 +33,12 @@ class Progress:
             from tqdm import tqdm
             self.bar = tqdm(total=total, desc=desc, unit=unit, file=self.file)
 
-    def update(self, n: int = 1, counted: int | None = None) -> None:
+    def update(self, n: int = 1, counted: int | None = None, partial: float = 0.0) -> None:
+        """n units finished and `counted` more of the rate's quantity (default n); partial: the
+        units of the work now in flight already done (for the ETA only)."""
         self.done += n
         self.counted += n if counted is None else counted
+        self.partial = partial
         if self.bar is not None:
             self.bar.update(n)
         elif self.enabled and time.monotonic() - self.last >= self.interval:
@@ -39,15 +47,16 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        elif self.enabled and self.done:
+        elif self.enabled and self.done and self.shown != (self.done, self.counted):
             self._line()
         self.enabled = False
 
     def _line(self) -> None:
         now = time.monotonic()
-        self.last = now
+        self.last, self.shown = now, (self.done, self.counted)
         elapsed = max(now - self.start, 1e-9)
-        left = (self.total - self.done) * elapsed / self.done if self.done else float("nan")
+        done = self.done + self.partial
+        left = (self.total - done) * elapsed / done if done else float("nan")
         print(f"{self.desc}: {self.done}/{self.total} {self.unit}s, "
               f"{self.counted / elapsed:.1f} {self.rate_unit}/s, elapsed {_clock(elapsed)}, "
               f"ETA {_clock(left)}", file=self.file, flush=True)
