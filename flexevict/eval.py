@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from flexevict.cli import (add_model_args, check_prompts, cpu_threads, distinct, load_llm,
                   policy_spec, print_resolved, read_jsonl_prompts, read_text)
@@ -96,6 +97,9 @@ def run_ppl(args) -> dict:
     llm = load_llm(args, progress=not args.json)
     result = llm.score(text, max_tokens=args.max_tokens, policy=spec,
                        prefill_tokens=args.prefill_tokens, progress=not args.json)
+    if args.max_tokens is not None and result["tokens"] < args.max_tokens:
+        print(f"note: {args.text} has {result['tokens']} tokens, fewer than --max-tokens "
+              f"{args.max_tokens}: scored all {result['tokens']}", file=sys.stderr)
     print_resolved([result.pop("resolved")])
     return {"model": llm.config.name, "policy": args.policy, "budget": budget_label(args), **result}
 
