@@ -175,10 +175,11 @@ def test_eval_ppl_json_end_to_end(tmp_path, tiny_dir):
     assert res["tokens"] == 40 and res["policy"] == "full"
     assert abs(res["ppl"] - 2.718281828 ** res["nll"]) < 1e-6 * res["ppl"]
     assert "fewer than --max-tokens" not in proc.stderr
-    short = run("eval", "ppl", "--model", tiny_dir, "--text", str(tmp_path / "t.txt"),
-                "--max-tokens", "4000", "--json")
-    assert json.loads(short.stdout)["tokens"] == 132                 # the text's bytes
-    assert "has 132 tokens, fewer than --max-tokens 4000: scored all 132" in short.stderr
+    (tmp_path / "s.txt").write_text("a short text")                    # 12 byte tokens
+    short = run("eval", "ppl", "--model", tiny_dir, "--text", str(tmp_path / "s.txt"),
+                "--max-tokens", "50", "--json")
+    assert json.loads(short.stdout)["tokens"] == 12, short.stderr
+    assert "has 12 tokens, fewer than --max-tokens 50: scored all 12" in short.stderr
 
 
 def test_convert_round_trip(tmp_path, tiny_dir):
