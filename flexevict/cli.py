@@ -29,25 +29,48 @@ def add_model_args(p: argparse.ArgumentParser, threads: int | None = None):
 
 
 def add_threads_arg(p: argparse.ArgumentParser, default: int | None = None):
-    what = "torch's default, one per core" if default is None else str(default)
-    p.add_argument("--threads", type=int, default=default,
-                   help=f"torch CPU threads (default {what}); on a shared machine, or with a small "
-                        "model whose ops are overhead-bound, 1 is often much faster")
+    default = default or os.environ.get("FLEXEVICT_THREADS") or AUTO
+    p.add_argument("--threads", type=_int_or_auto, default=default,
+                   help=f"torch CPU threads, or auto (default {default}; $FLEXEVICT_THREADS sets "
+                        "it): the faster of one thread and one per core for this model here, by "
+                        "the calibration, else a quick probe cached per machine, printed on "
+                        "stderr (a small model's ops are overhead-bound: on a busy machine one "
+                        "thread can be ten times faster); on a GPU, torch's default")
 
 
 @contextlib.contextmanager
-def cpu_threads(n: int | None):
-    """Run with n torch CPU threads (None: leave as is), restored after (a CLI's main() may run
-    inside a bigger process, e.g. the tests)."""
-    if n is not None and n < 1:
+def cpu_threads(n: int | str | None):
+    """Run with n torch CPU threads (None: leave as is; auto: as is until `choose_threads`
+    picks them, once the model is known), restored after (a CLI's main() may run inside a
+    bigger process, e.g. the tests)."""
+    if n is not None and n != AUTO and n < 1:
         raise UserError(f"--threads must be >= 1 (got {n})")
     before = torch_threads()
-    if n is not None:
+    if n not in (None, AUTO):
         _torch().set_num_threads(n)
     try:
         yield
     finally:
         _torch().set_num_threads(before)
+
+
+def choose_threads(args, work, n: int = 1, log=print) -> None:
+    """--threads auto -> the faster of one thread and one per core for `work` (a
+    planner.search.Workload) with n sequences under the flags' placement (everything on the
+    compute device where a flag says auto): planner.advice.best_threads, from the calibration
+    when one is cached, else the probe. Set now (cpu_threads restores it) and printed as the
+    run's first line. Called before any auto placement is planned: the plan depends on it."""
+    if getattr(args, "threads", None) != AUTO:
+        return
+    from flexevict.planner import advice
+    from flexevict.runtime.placement import Placement
+    _check_percent(args.percent)
+    placement = Placement(gpu_batch_size=n) if has_auto(args) else _fixed_placement(args)
+    cal = advice.here(work.device, getattr(args, "calibration", None))
+    threads, why = advice.best_threads(work, cal, placement, n)
+    _torch().set_num_threads(threads)
+    args.threads = threads
+    log(f"threads: {threads} ({why}; --threads N sets it)", file=sys.stderr)
 
 
 def _torch():
@@ -147,23 +170,18 @@ def placement_from_args(args, config=None, lengths: tuple | None = None, device=
     any weight is read.
 
     Flags that say `auto` are chosen by the cost model's search (planner.search.resolve)
-    for runs of lengths = (prompt_len, gen_len) tokens. A caller that does not know its lengths
-    yet (generate and eval build the model before reading their input) gets a plan for the
-    longest run the model allows: the model's maximum positions, with --max-new-tokens of them
-    generated (a conservative choice: a smaller batch or more offloading than shorter prompts
-    need). With auto, --gpu-batch-size 0 (generate's "unset") is auto too."""
+    for runs of lengths = (prompt_len, gen_len) tokens (generate: its prompts', `plan_job`). A
+    caller that does not know its lengths yet (eval builds the model before reading its input)
+    gets a plan for the longest run the model allows: the model's maximum positions, with
+    --max-new-tokens of them generated (a conservative choice: a smaller batch or more
+    offloading than shorter prompts need). With auto, --gpu-batch-size 0 (generate's "unset")
+    is auto too."""
     from flexevict.runtime import rundir, weight_cache
-    from flexevict.runtime.placement import Placement
     _check_percent(args.percent)
     if has_auto(args):
         placement = _resolve(args, config, lengths, device, dtype, max_batch)
     else:
-        placement = Placement.from_percent(
-            [int(x) for x in args.percent], gpu_batch_size=_gpu_batch_size(args),
-            num_gpu_batches=args.num_gpu_batches, overlap=args.overlap,
-            sep_layer=args.sep_layer, pin_weight=args.pin_weight,
-            cpu_cache_compute=args.cpu_cache_compute, compress_weight=args.compress_weight,
-            compress_cache=args.compress_cache, offload_dir=args.offload_dir)
+        placement = _fixed_placement(args)
     placement = dataclasses.replace(placement, cuda_graphs=args.cuda_graphs,
                                     weight_cache=args.weight_cache)
     if placement.uses_disk:
@@ -171,6 +189,17 @@ def placement_from_args(args, config=None, lengths: tuple | None = None, device=
         if placement.weight_cache:
             weight_cache.cap_bytes()        # a bad cap is one line now, not after calibration
     return placement
+
+
+def _fixed_placement(args):
+    """The placement of flags none of which says auto (checked: `Placement.from_percent`)."""
+    from flexevict.runtime.placement import Placement
+    return Placement.from_percent(
+        [int(x) for x in args.percent], gpu_batch_size=_gpu_batch_size(args),
+        num_gpu_batches=args.num_gpu_batches, overlap=args.overlap,
+        sep_layer=args.sep_layer, pin_weight=args.pin_weight,
+        cpu_cache_compute=args.cpu_cache_compute, compress_weight=args.compress_weight,
+        compress_cache=args.compress_cache, offload_dir=args.offload_dir)
 
 
 def check_gpu_batch_size(args) -> None:
@@ -268,6 +297,149 @@ def cost_model_from_args(args, work, log=print, cal=None):
                           getattr(args, "threads", None), args.offload_dir, log)
 
 
+# ---------------------------------------------------------------------------- before a run loads
+# Every CLI, before it loads a weight: --threads auto chosen (choose_threads), limits that
+# cannot apply said (note_unused_limits), and the run checked to fit and timed (check_run).
+
+def note_unused_limits(args, device, log=print) -> None:
+    """One line for a limit flag that cannot apply to a run or plan on `device`."""
+    import torch
+    gb = getattr(args, "gpu_mem_limit", None)
+    if gb is not None and torch.device(device).type != "cuda":
+        why = "this machine has no GPU" if not torch.cuda.is_available() else \
+            "the run computes on the CPU"
+        log(f"note: --gpu-mem-limit {gb:g} does not apply: {why}; this is for the CPU (a plan "
+            "for a GPU: --device cuda with --calibration FILE made there)", file=sys.stderr)
+
+
+def check_run(args, work, placement, n: int, runs: float = 1.0, steps: int | None = None,
+              log=print):
+    """Before any weight loads, a run of `runs` blocks of n sequences of `work` (a
+    planner.search.Workload) under `placement` (steps: the decode steps it runs, bench's
+    --cut-gen-len, when fewer than work.gen_len): it must fit memory, else a UserError that
+    names `python -m flexevict.plan`'s answer (planner.advice.does_not_fit); predicted slower
+    than advice.SLOW_S, a line on stderr says so and what runs here in reasonable time.
+    -> (CostModel, Estimate) of one block, or None where nothing was worth estimating."""
+    from flexevict.planner import advice
+    from flexevict.runtime.memory import GIB, DoesNotFit, MemoryPlan
+    layout = work.spec.make().layout(work.prompt_len, work.gen_len)
+    plan = MemoryPlan(work.config, placement, work.dtype, n, work.prompt_len, work.gen_len,
+                      layout.slots, layout.home_tokens)
+    cpu = getattr(args, "cpu_mem_limit", None)
+    try:
+        plan.check(work.device, limits_from_args(args, work.device).gpu,
+                   None if cpu is None else int(cpu * GIB))
+    except DoesNotFit as e:
+        model = _estimator(args, work, None, n, runs, log)
+        if model is None:
+            raise UserError(e.message) from None
+        request = request_from_args(args)
+        if request.gpu_batch_size and request.gpu_batch_size > n:      # fewer prompts
+            request = dataclasses.replace(request, gpu_batch_size=n)
+        limits = limits_from_args(args, work.device, model.cal)    # as `plan` has them
+        raise UserError(advice.does_not_fit(model, request, limits, e.head, runs)
+                        or e.message) from None
+    model = _estimator(args, work, placement, n, runs, log)
+    if model is None:
+        return None
+    e = model.estimate(placement, n)
+    seconds = (e.prefill_s + (steps - 1) * e.step_s if steps else e.total_s) * runs
+    limits = limits_from_args(args, work.device, model.cal)
+    advice.warn(advice.slow_line(model, seconds, n, limits, args.offload_dir, runs), log)
+    return model, e
+
+
+def _estimator(args, work, placement, n: int, runs: float, log=print):
+    """The cost model check_run predicts with: where the command asks for predictions (bench's
+    --predict, an auto flag, --calibration), its calibration, measured fully if needed; else the
+    one cached here; else, for a run that does not fit (placement None) or one the probe's
+    rough time puts over SLOW_S / ROUGH_MARGIN, a quick calibration made now; else None."""
+    from flexevict.planner import advice
+    from flexevict.planner.search import with_calibration
+    if getattr(args, "predict", False) or has_auto(args) or getattr(args, "calibration", None):
+        return cost_model_from_args(args, work, log)
+    cal = advice.here(work.device, threads=torch_threads())
+    if cal is None and placement is not None:
+        rough = advice.rough_seconds(work, placement, n, torch_threads()) * runs
+        if rough < advice.SLOW_S / advice.ROUGH_MARGIN:
+            return None
+    if cal is None:
+        cal = advice.here_or_quick(work.device, torch_threads(), args.offload_dir, log=log)
+    try:
+        return with_calibration(work, cal)
+    except UserError:          # a calibration file without this device or dtype: no estimate
+        return None
+
+
+def prompt_shape(args, config, weights: str) -> tuple[int, int]:
+    """(the longest prompt in tokens, how many prompts) of generate's --prompt or --input,
+    tokenized with the model's tokenizer: what its auto placement and checks plan for. What
+    is wrong with a line (unreadable, too long for the model: clipped here) is the job's to
+    say, its pre-pass or its --prompt check, as is a chat's formatting (here a message counts
+    its contents' tokens)."""
+    from flexevict.io.tokenizer import load_tokenizer
+    tok = load_tokenizer(weights)
+    longest = rows = 0
+    if args.prompt is not None:
+        longest, rows = len(tok.encode(args.prompt)), 1
+    elif not os.path.isfile(args.input):
+        raise UserError(f"{args.input}: input file does not exist")
+    else:
+        with open(args.input, encoding="utf-8", errors="replace") as f:    # a line at a time
+            for text in filter(None, map(_prompt_text, f)):
+                longest, rows = max(longest, len(tok.encode(text))), rows + 1
+    most = max(config.max_positions - args.max_new_tokens + 1, 1)
+    return min(max(longest, 1), most), max(rows, 1)
+
+
+def _prompt_text(line: str) -> str | None:
+    """A JSONL line's prompt: "prompt" or "messages", at the top or in an OpenAI request's
+    "body"; None for a line without one."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(row, dict):
+        return None
+    row = row.get("body", row) if isinstance(row.get("body"), dict) else row
+    prompt, messages = row.get("prompt"), row.get("messages")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(messages, list):
+        return "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+    return None
+
+
+def plan_job(args):
+    """generate's placement, after its pre-run checks: the prompts' longest length and count
+    (`prompt_shape`) are what --threads auto, the auto placement flags (not the model's
+    maximum) and `check_run`, for the job's blocks, plan with. With --ray the workers, not
+    this machine, run it: only the flags' placement, and torch's default threads there."""
+    import math
+    from flexevict.api import resolve_device, resolve_model
+    from flexevict.core.config import DTYPES, default_dtype
+    from flexevict.planner.search import Workload
+    if args.ray:
+        args.threads = None if args.threads == AUTO else args.threads
+        return placement_from_args(args)
+    config, weights = resolve_model(args.model, args.path)
+    device = resolve_device(args.device)
+    dtype = DTYPES[args.dtype or default_dtype(device)]
+    longest, rows = prompt_shape(args, config, weights)
+    work = Workload(config, longest, args.max_new_tokens, policy_spec(args), device, dtype)
+    fixed = not has_auto(args)           # else the plan picks the batch, after the threads
+    choose_threads(args, work, min(rows, args.gpu_batch_size * args.num_gpu_batches)
+                   if fixed else 1)
+    note_unused_limits(args, device)
+    placement = placement_from_args(args, config, (longest, args.max_new_tokens), device, dtype,
+                                    max_batch=rows)
+    block = max(placement.gpu_batch_size, 1) * placement.num_gpu_batches
+    check_run(args, work, placement, min(rows, block), math.ceil(rows / block))
+    return placement
+
+
 def add_policy_args(p: argparse.ArgumentParser):
     p.add_argument("--policy", default="full", help="KV eviction policy (default full)")
     p.add_argument("--budget", type=float, default=None,
@@ -300,8 +472,22 @@ def print_resolved(resolved: list[dict]):
         print("resolved budget: " + " ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr)
 
 
+EVAL_LENGTHS = (512, 32)     # prompt and generated tokens --threads auto times eval's runs at
+
+
 def load_llm(args, progress: bool = True):
-    from flexevict.api import LLM
+    """eval's model: --threads auto chosen for a typical run of it (EVAL_LENGTHS), then
+    loaded under the flags' placement."""
+    from flexevict.api import LLM, resolve_device, resolve_model
+    from flexevict.core.config import DTYPES, default_dtype
+    from flexevict.planner.search import Workload
+    config, _ = resolve_model(args.model, args.path)
+    device = resolve_device(args.device)
+    prompt, gen = EVAL_LENGTHS
+    work = Workload(config, min(prompt, config.max_positions // 2), gen, policy_spec(args),
+                    device, DTYPES[args.dtype or default_dtype(device)])
+    choose_threads(args, work)
+    note_unused_limits(args, device)
     return LLM(args.model, path=args.path, device=args.device, dtype=args.dtype,
                seed=args.seed, progress=progress, placement=placement_from_args(args))
 

@@ -19,7 +19,7 @@ import os
 import sys
 
 from flexevict.cli import (add_model_args, check_gpu_batch_size, cpu_threads, has_auto,
-                           placement_from_args, policy_spec, print_resolved)
+                           plan_job, policy_spec, print_resolved)
 from flexevict.errors import UserError, cli_errors
 from flexevict.runtime.generation import Sampling
 from flexevict.runtime.progress import Progress
@@ -112,7 +112,7 @@ def job_spec(args):
     sampling.check()
     policy = policy_spec(args)
     policy.make()                      # its arguments refused now, not after the model loads
-    placement = placement_from_args(args)
+    placement = plan_job(args)         # --threads auto, auto flags and the run's checks too
     if placement.gpu_batch_size < 1:
         placement = dataclasses.replace(placement, gpu_batch_size=DEFAULT_GPU_BATCH)
     if args.ray and args.device == "auto":

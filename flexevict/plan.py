@@ -43,8 +43,10 @@ def main(argv=None):
 def run(args) -> list[str]:
     from flexevict.api import resolve_model
     from flexevict.core.config import DTYPES, default_dtype
-    from flexevict.cli import (cost_model_from_args, cpu_threads, limits_from_args, policy_spec,
+    from flexevict.cli import (choose_threads, cost_model_from_args, cpu_threads,
+                               limits_from_args, note_unused_limits, policy_spec,
                                request_from_args)
+    from flexevict.planner import advice
     if args.prompt_len < 1 or args.gen_len < 1:
         raise UserError("--prompt-len and --gen-len must be >= 1")
     config, _ = resolve_model(args.model, args.path)
@@ -53,14 +55,20 @@ def run(args) -> list[str]:
     with cpu_threads(args.threads):
         work = S.Workload(config, args.prompt_len, args.gen_len, policy_spec(args), device,
                           dtype)
+        fixed = isinstance(args.gpu_batch_size, int) and isinstance(args.num_gpu_batches, int)
+        choose_threads(args, work, args.gpu_batch_size * args.num_gpu_batches if fixed else 1)
+        note_unused_limits(args, device)
         model = cost_model_from_args(args, work)
         request = request_from_args(args)
         limits = limits_from_args(args, device, model.cal)
         try:
             plan = S.search(model, request, limits, top=max(args.top, 1))
         except S.Infeasible as e:
-            raise UserError(S.infeasible_line(model, request, limits, e)) from None
-        return [S.header(model, limits)] + S.report(plan, args.top)
+            line = advice.does_not_fit(model, request, limits, S.infeasible_head(e))
+            raise UserError(line or f"{S.infeasible_head(e)}; {S.no_fit_line(e)}") from None
+        best = plan.best
+        slow = advice.slow_line(model, best.total_s, best.n, limits, args.offload_dir)
+        return [S.header(model, limits)] + S.report(plan, args.top) + ([slow] if slow else [])
 
 
 def _plan_device(name: str) -> torch.device:

@@ -13,6 +13,9 @@ os.environ.setdefault("FLEXEVICT_CALIBRATION",
                       os.path.join(os.path.dirname(__file__), "calibration_cpu.json"))
 os.environ.setdefault("FLEXEVICT_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"flexevict-test-cache-{os.getpid()}"))
+# the CLIs' --threads default (auto: a probe of this machine, and a line on stderr) is one
+# thread here, as below; the tests of auto pass --threads auto
+os.environ.setdefault("FLEXEVICT_THREADS", os.environ.get("FLEXEVICT_TEST_THREADS", "1"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

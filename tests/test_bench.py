@@ -141,12 +141,12 @@ def test_memory_error_names_a_placement_that_fits():
 
 @pytest.mark.slow
 def test_memory_error_predicts_the_placement_it_names():
-    """With a calibration (the suite's fixed one), the error also predicts the placement it
-    names, and the run's wall time in a person's units."""
+    """With a calibration (the suite's fixed one), the error names the placement `plan` would
+    (test_before_a_run.py), its predicted wall time in a person's units and the calibration."""
     proc = run("bench", "--model", "opt-1.3b", "--device", "cpu", "--cpu-mem-limit", "3",
                "--gpu-batch-size", "2")
-    assert_user_error(proc, "out of CPU memory", "fits (same batch", "predicted there: ",
-                      "token/s, about ", "for the run")
+    assert_user_error(proc, "out of CPU memory", "smallest change that fits: --percent ",
+                      "token/s, about ", "for the batch, from the quick calibration ")
 
 
 def test_gpu_mem_limit_names_the_device_index_torch_needs(monkeypatch):

@@ -26,12 +26,12 @@ import torch
 from flexevict.core import kernels
 from flexevict.api import resolve_device, resolve_model
 from flexevict.core.config import DTYPES, default_dtype
-from flexevict.cli import (add_placement_args, add_policy_args, add_threads_arg,
-                           cost_model_from_args, cpu_threads, has_auto, placement_from_args,
+from flexevict.cli import (add_placement_args, add_policy_args, add_threads_arg, check_run,
+                           choose_threads, cpu_threads, has_auto, placement_from_args,
                            policy_spec)
 from flexevict.runtime.engine import Engine, RunResult, check_length
 from flexevict.errors import UserError, cli_errors
-from flexevict.runtime.memory import DoesNotFit, MemoryPlan, GIB, out_of_memory
+from flexevict.runtime.memory import MemoryPlan, GIB, out_of_memory
 from flexevict.policies import Policy, PolicySpec
 from flexevict.io.weights import DUMMY, open_weights
 from flexevict.runtime.progress import Progress
@@ -58,7 +58,8 @@ def parse_args(argv=None):
                         "policy under test) before the timed run")
     p.add_argument("--predict", action="store_true",
                    help="print the cost model's prediction, calibrating this machine first if "
-                        "it never was (default: predict only from a cached calibration)")
+                        "it never was (default: from a cached calibration; without one, a quick "
+                        "calibration where the run does not fit or may be slow)")
     p.add_argument("--yes", action="store_true",
                    help="run even when it is predicted to take over an hour (without it a "
                         "terminal asks, anything else refuses)")
@@ -99,6 +100,9 @@ def run(args) -> dict:
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype or default_dtype(device)]
     limit = _set_gpu_limit(device, args.gpu_mem_limit)
+    work = _workload(args, config, device, dtype)
+    fixed = isinstance(args.gpu_batch_size, int) and isinstance(args.num_gpu_batches, int)
+    choose_threads(args, work, args.gpu_batch_size * args.num_gpu_batches if fixed else 1)
     placement = placement_from_args(args, config, (args.prompt_len, args.gen_len), device, dtype)
     if placement.gpu_batch_size < 1:
         raise UserError(f"--gpu-batch-size must be >= 1 (got {placement.gpu_batch_size})")
@@ -114,13 +118,7 @@ def run(args) -> dict:
     layout = policy.layout(args.prompt_len, args.gen_len)
     plan = MemoryPlan(config, placement, dtype, n, args.prompt_len, args.gen_len, layout.slots,
                       layout.home_tokens)
-    try:
-        plan.check(device, limit,
-                   None if args.cpu_mem_limit is None else int(args.cpu_mem_limit * GIB))
-    except DoesNotFit as e:
-        raise UserError(e.message + predicted_there(args, config, e.fits, n, device, dtype)
-                        ) from None
-    predicted = predict(args, config, placement, n, device, dtype)
+    predicted = describe(check_run(args, work, placement, n, steps=steps))
     confirm_long_run(predicted, steps, args.yes)
     build_s = load_kernels(device)
     with out_of_memory(plan, device, limit):
@@ -146,32 +144,19 @@ def run(args) -> dict:
     return result
 
 
-def predict(args, config, placement, n: int, device, dtype) -> dict | None:
-    """The cost model's prediction for this run (planner/search.py, costmodel.py): per phase
-    and total, what bounds each phase, and the calibration it used. A bench measures the
-    machine only when asked (--predict, an `auto` flag, which calibrated already, or
-    --calibration FILE); otherwise it predicts from a cached calibration, read only, or not at
-    all (None): a first run must not spend a minute calibrating for a line of output."""
-    from flexevict.planner import calibration
-    from flexevict.planner.costmodel import CostModel
+def describe(checked) -> dict | None:
+    """`check_run`'s (cost model, estimate) as the result's `predicted`: per phase and total,
+    what bounds each phase, and the calibration it rests on; None without one."""
+    from flexevict.planner.advice import source
     from flexevict.planner.search import bound_line
-    asked = args.predict or has_auto(args) or args.calibration
-    cal = None if asked else calibration.cached(device, args.threads)
-    if cal is None and not asked:
+    if checked is None:
         return None
-    try:
-        model: CostModel = cost_model_from_args(args, _workload(args, config, device, dtype),
-                                                cal=cal)
-        e = model.estimate(placement, n)
-    except UserError:
-        if asked:
-            raise
-        return None                  # the cached calibration lacks this device or dtype
-    cal = model.cal.data
+    model, e = checked
+    cal = model.cal
     return {**e.describe(), "bound": bound_line(e),
-            "calibration": {"path": model.cal.path, "machine": cal.get("machine"),
-                            "synthetic": bool(cal.get("synthetic")),
-                            "quick": bool(cal.get("quick"))}}
+            "calibration": {"path": cal.path, "machine": cal.data.get("machine"),
+                            "synthetic": cal.synthetic, "quick": cal.quick,
+                            "source": source(cal)}}
 
 
 LONG_RUN_S = 3600.0
@@ -180,15 +165,17 @@ LONG_RUN_S = 3600.0
 def confirm_long_run(predicted: dict | None, steps: int, yes: bool) -> None:
     """A run predicted to take over an hour (its prefill and the `steps` - 1 decode steps it
     times) goes ahead only with --yes or a yes typed on a terminal: found before the weights
-    load, not hours in."""
+    load, not hours in. An estimate from a quick or synthetic calibration alone only warns
+    (`check_run` said it): it does not stop a run."""
     if predicted is None or yes:
         return
     seconds = predicted["prefill_s"] + (steps - 1) * predicted["decode_step_s"]
-    if seconds < LONG_RUN_S:
+    cal = predicted.get("calibration", {})
+    if seconds < LONG_RUN_S or cal.get("quick") or cal.get("synthetic"):
         return
     from flexevict.planner.search import wall_time
     what = (f"this run is predicted to take {wall_time(seconds)} "
-            f"({predicted['throughput']:.3f} token/s)")
+            f"({predicted['throughput']:.3f} token/s, from {cal.get('source', 'the cost model')})")
     if sys.stdin.isatty() and sys.stderr.isatty():
         print(f"{what}; run it? [y/N] ", end="", file=sys.stderr, flush=True)
         if sys.stdin.readline().strip().lower() in ("y", "yes"):
@@ -196,22 +183,6 @@ def confirm_long_run(predicted: dict | None, steps: int, yes: bool) -> None:
         raise UserError(f"{what}: not run (answer y, or add --yes)")
     raise UserError(f"{what}; add --yes to run it, or --cut-gen-len N to time N decode steps "
                     "and project the rest")
-
-
-def predicted_there(args, config, fits, n: int, device, dtype) -> str:
-    """'; predicted ... there' for the placement a memory error names, from a cached
-    calibration (never measured for an error line); '' without either."""
-    from flexevict.planner import calibration
-    from flexevict.planner.search import wall_time
-    cal = calibration.cached(device, args.threads) if fits is not None else None
-    if cal is None:
-        return ""
-    try:
-        e = cost_model_from_args(args, _workload(args, config, device, dtype),
-                                 cal=cal).estimate(fits, n)
-    except UserError:
-        return ""
-    return f"; predicted there: {e.throughput:.3f} token/s, {wall_time(e.total_s)} for the run"
 
 
 def _workload(args, config, device, dtype):

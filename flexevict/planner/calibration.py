@@ -99,10 +99,11 @@ def machine_key(device: torch.device) -> dict:
     return {"device": device_name(device), "torch": torch.__version__}
 
 
-def cache_path(key: dict) -> str:
+def cache_path(key: dict, kind: str = "calibration") -> str:
+    """The cache file of machine `key`: its calibration, or (kind "probe") probe.py's record."""
     slug = re.sub(r"[^a-z0-9.]+", "-", f"{key['device']}-torch{key['torch']}"
                   .lower()).strip("-")
-    return os.path.join(cache_dir(), f"calibration-{slug}.json")
+    return os.path.join(cache_dir(), f"{kind}-{slug}.json")
 
 
 # ---------------------------------------------------------------------------- the record

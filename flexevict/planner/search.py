@@ -392,44 +392,59 @@ def header(model: CostModel, limits: Limits) -> str:
 
 def infeasible_line(model: CostModel, request: PlacementRequest, limits: Limits,
                     err: Infeasible) -> str:
-    """One line: the binding resource, and the smallest change that fits (one flag set free,
-    else every flag, else the limit it would take)."""
+    """One line: the binding resource, and the smallest change that fits (`smallest_fit`), else
+    the memory it would take."""
+    fit = smallest_fit(model, request, limits)
+    return f"{infeasible_head(err)}; {fit_line(fit) if fit else no_fit_line(err)}"
+
+
+def infeasible_head(err: Infeasible) -> str:
     flag = {"GPU": setting("gpu_mem_limit"), "CPU": setting("cpu_mem_limit"),
             "disk": f"free disk under {setting('offload_dir')}"}[err.resource]
-    head = (f"does not fit: {err.resource} memory binds (the closest placement needs "
+    return (f"does not fit: {err.resource} memory binds (the closest placement needs "
             f"{_gib(err.need)}, the limit is {_gib(err.have)}: {flag})")
+
+
+def smallest_fit(model: CostModel, request: PlacementRequest,
+                 limits: Limits) -> tuple[Estimate, str] | None:
+    """What `plan` answers a request that does not fit: the one fixed flag that, set free,
+    fits with the highest predicted throughput; if none does, where the weights and cache live
+    and the switches at once, the batch kept (the work asked for); else every placement flag ->
+    (its estimate, the change in settings), or None when nothing fits."""
     fixes = []
     for name in ("gpu_batch_size", "num_gpu_batches", "percent", *SWITCHES):
         if getattr(request, name) is None:
             continue
         try:
             alt = search(model, request.freed(name), limits, top=1).best
-            fixes.append((alt.throughput, _change(alt.placement, name, setting), alt.total_s))
+            fixes.append((alt, _change(alt.placement, name, setting)))
         except Infeasible:
             pass
-    if not fixes and not _all_free(request):
+    for free, what in ((("percent", *SWITCHES), "the batch kept"),
+                       (("percent", "gpu_batch_size", "num_gpu_batches", *SWITCHES),
+                        "every placement flag auto")):
+        if fixes or all(getattr(request, n) is None for n in free):
+            break
         try:
-            alt = search(model, _free_all(request), limits, top=1).best
-            every = f"{flags(alt.placement, setting)} (every placement flag auto)"
-            fixes.append((alt.throughput, every, alt.total_s))
+            alt = search(model, dataclasses.replace(request, **dict.fromkeys(free)), limits,
+                         top=1).best
+            fixes.append((alt, f"{flags(alt.placement, setting)} ({what})"))
         except Infeasible:
             pass
-    if fixes:
-        tput, change, total = max(fixes)
-        return (f"{head}; smallest change that fits: {change} (predicted {tput:.3f} token/s, "
-                f"{wall_time(total)} for the batch)")
-    return (f"{head}; no placement fits: give {err.resource} memory of at least {_gib(err.need)}, "
+    return max(fixes, key=lambda f: (f[0].throughput, f[1])) if fixes else None
+
+
+def fit_line(fit: tuple[Estimate, str], basis: str = "") -> str:
+    """`smallest_fit`'s answer as a line; basis: what its prediction rests on."""
+    e, change = fit
+    basis = f", from {basis}" if basis else ""
+    return (f"smallest change that fits: {change} (predicted {e.throughput:.3f} token/s, "
+            f"{wall_time(e.total_s)} for the batch{basis})")
+
+
+def no_fit_line(err: Infeasible) -> str:
+    return (f"no placement fits: give {err.resource} memory of at least {_gib(err.need)}, "
             f"or lower {setting('prompt_len')} / {setting('gen_len')} or {setting('budget')}")
-
-
-def _all_free(request: PlacementRequest) -> bool:
-    return all(getattr(request, n) is None for n in
-               ("percent", "gpu_batch_size", "num_gpu_batches", *SWITCHES))
-
-
-def _free_all(request: PlacementRequest) -> PlacementRequest:
-    return dataclasses.replace(request, percent=None, gpu_batch_size=None, num_gpu_batches=None,
-                               compress_weight=None, compress_cache=None, cpu_cache_compute=None)
 
 
 # ---------------------------------------------------------------------------- entry points

@@ -23,11 +23,12 @@ GIB = 1 << 30
 
 class DoesNotFit(UserError):
     """A run too big for a memory limit; `fits` is a placement of the same batch that does fit
-    (MemoryPlan.fitting), or None."""
+    (MemoryPlan.fitting), or None; `head` is the message's first part, what does not fit (for a
+    caller with advice of its own)."""
 
-    def __init__(self, message: str, fits=None):
+    def __init__(self, message: str, fits=None, head: str | None = None):
         super().__init__(message)
-        self.fits = fits
+        self.fits, self.head = fits, head or message
 
 
 def stage_weights(config, sep_layer: bool) -> list[list[tuple]]:
@@ -40,7 +41,8 @@ def stage_weights(config, sep_layer: bool) -> list[list[tuple]]:
         layer = load_layer_weights(config, src, 0, "meta", torch.float16)   # every layer alike
         _CACHE[key] = [
             [(name, tuple(t.shape)) for name, t in
-             split_weights(s, layer if s.layer >= 0 else {}, outer).items() if t is not None]
+             split_weights(s, layer if s.layer >= 0 else {}, outer, config.family).items()
+             if t is not None]
             for s in stages_for(config.num_layers, sep_layer)]
     return _CACHE[key]
 
@@ -205,7 +207,8 @@ class MemoryPlan:
     def _does_not_fit(self, device, gpu_limit, host_limit: float, *message) -> None:
         """Raise DoesNotFit: `_message(*message)` with the placement `fitting` finds."""
         fits = self.fitting(device, gpu_limit, host_limit - process_anon())
-        raise DoesNotFit(self._message(*message, fits=fits or False), fits)
+        raise DoesNotFit(self._message(*message, fits=fits or False), fits,
+                         self._head(*message))
 
     def fitting(self, device, gpu_limit: int | None, host_limit: float, step: int = 10):
         """The placement flags, --percent in steps of `step`, that fit the limits with this
@@ -257,12 +260,8 @@ class MemoryPlan:
 
     def _message(self, what: str, need: dict, have: int, total: int | None = None,
                  limit: str | None = None, fits=None) -> str:
-        """The one-line advice; fits: a placement that fits (`fitting`), False when none
-        does, None when none was looked for (an allocation failed)."""
-        p = self.placement
-        total = need["gpu"] if total is None else total
-        where = f"the {limit} of {have / GIB:.1f} GiB" if limit else \
-            f"{have / GIB:.1f} GiB are available"
+        """The one-line advice: `_head`, then the fix; fits: a placement that fits (`fitting`),
+        False when none does, None when none was looked for (an allocation failed)."""
         percent, batch = setting("percent"), (f"{setting('gpu_batch_size')} / "
                                               f"{setting('num_gpu_batches')} or "
                                               f"{setting('budget')}")
@@ -275,9 +274,18 @@ class MemoryPlan:
                    if fits is False else f"move weights or cache to a lower tier with {percent}, "
                    f"lower {batch}, or add {setting('compress_weight')} / "
                    f"{setting('compress_cache')}")
+        return f"{self._head(what, need, have, total, limit)}; {fix}"
+
+    def _head(self, what: str, need: dict, have: int, total: int | None = None,
+              limit: str | None = None) -> str:
+        """What does not fit: the run, the memory it needs and what there is."""
+        total = need["gpu"] if total is None else total
+        where = f"the {limit} of {have / GIB:.1f} GiB" if limit else \
+            f"{have / GIB:.1f} GiB are available"
         return (f"out of {what} memory: {self.config.name} with {len(self.sizes)} GPU batch(es) "
-                f"of {max(self.sizes)} at {percent} {' '.join(map(str, p.percent))} needs about "
-                f"{total / GIB:.1f} GiB of {what} memory but {where}; {fix}")
+                f"of {max(self.sizes)} at {setting('percent')} "
+                f"{' '.join(map(str, self.placement.percent))} needs about {total / GIB:.1f} GiB "
+                f"of {what} memory but {where}")
 
 
 
