@@ -4,21 +4,23 @@ what `--threads auto` and a first run's rough time estimate rest on when no cali
 It times, on one torch thread and on one per core, a decode step's worth of one layer of the
 model (its linear weights streamed from memory on the engine's path, and one element-wise op
 per norm or bias), per model shape, and a prefill-shaped matrix product. A small model's decode
-step is a few hundred tiny ops, each forking and joining every thread: on a machine whose cores
-other work keeps busy, that can make all cores ten times slower than one, which a probe at the
-time sees. Layers over LAYER_CAP bytes are probed at a scaled-down shape, their time scaled
-back up by bytes (weight streaming is bandwidth-bound at that size).
+step is a few hundred tiny ops, each forking and joining every thread, where one thread can
+win; a large one's streams weights, where all cores do. Where other work keeps cores busy at
+run time, advice.best_threads does not use the cached times (a thread that waits for a busy
+core stalls every op). Layers over LAYER_CAP bytes are probed at a scaled-down shape, their
+time scaled back up by bytes (weight streaming is bandwidth-bound at that size).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import time
 
 import torch
 
 from flexevict.planner import calibration
-from flexevict.planner.calibration import _linear_op, _threads, best_time
+from flexevict.planner.calibration import _linear_op, _threads
 
 VERSION = 1
 LAYER_CAP = 32 << 20      # a probed layer's weights at most (bytes)
@@ -89,10 +91,13 @@ def _both(fn) -> dict:
     run of many steps meets, not the luckiest moment)."""
     cores = calibration._cores()
     times = {str(t): [] for t in dict.fromkeys([1, cores])}
-    for _ in range(ROUNDS):
+    for r in range(ROUNDS + 1):
         for t, seen in times.items():
             with _threads(int(t)):
-                seen.append(fn())
+                t0 = time.perf_counter()
+                fn()
+                if r:                                   # round 0 warms up
+                    seen.append(time.perf_counter() - t0)
     return {t: sorted(seen)[len(seen) // 2] for t, seen in times.items()}
 
 
@@ -100,7 +105,7 @@ def _gemm() -> dict:
     """{threads: flop/s} of a prefill-shaped product on the engine's path."""
     prep, apply = _linear_op(torch.device("cpu"), torch.float32, _packs())
     x, w = torch.full((256, 1024), 0.01), prep(torch.full((1024, 1024), 0.01))
-    times = _both(lambda: best_time(lambda: apply(x, w), repeats=1))
+    times = _both(lambda: apply(x, w))
     return {t: 2 * 256 * 1024 * 1024 / s for t, s in times.items()}
 
 
@@ -121,7 +126,7 @@ def _layer_seconds(config) -> dict:
         for layer in ops:
             for x, w, is_linear in layer:
                 apply(x, w) if is_linear else x.mul(w)
-    times = _both(lambda: best_time(step, repeats=1))
+    times = _both(step)
     return {t: s / count * nbytes / probed for t, s in times.items()}
 
 
