@@ -16,7 +16,7 @@ from flexevict.core.config import (DTYPES, ModelConfig, default_dtype, registry_
                                    with_overrides)
 from flexevict.errors import UserError, setting
 from flexevict.runtime.engine import Engine, resolved_layout
-from flexevict.runtime.generation import Sampling, generate, plan_batches, stream_nll
+from flexevict.runtime.generation import Sampling, Watch, generate, plan_batches, stream_nll
 from flexevict.io.packaged import PACKAGED_MODELS
 from flexevict.runtime.placement import Placement
 from flexevict.policies import PolicySpec
@@ -115,7 +115,7 @@ class LLM:
                 def on_step(tokens, step, steps, k=len(batch)):
                     bar.update(0, tokens, partial=k * step / steps)
                 outs, resolved = self.generate_block([encoded[i] for i in batch], max_new_tokens,
-                                                     sampling, spec, stop_ids, on_step=on_step)
+                                                     sampling, spec, stop_ids, Watch(None, on_step))
                 for i, ids in zip(batch, outs):
                     results[i] = {"completion": self.tokenizer.decode(ids), "tokens": len(ids),
                                   "ids": ids, "resolved": resolved}
@@ -124,18 +124,16 @@ class LLM:
 
     def generate_block(self, encoded: list[list[int]], max_new_tokens: int | list[int],
                        sampling: Sampling | list[Sampling], policy: PolicySpec | str,
-                       stop_ids=None, row_seeds: list[int] | None = None,
-                       ends=None, on_step=None) -> tuple[list[list[int]], dict]:
+                       stop_ids=None, watch: Watch = Watch()) -> tuple[list[list[int]], dict]:
         """One engine run over token-id prompts that may share a batch (one batch of
         `generation.plan_batches`; at most gpu_batch_size x num_gpu_batches of them with
         --gpu-batch-size) -> (generated ids per prompt, the policy's resolved budget).
-        max_new_tokens, sampling: one for all prompts or one per prompt; row_seeds: one
-        sampling seed per prompt (`generation.Sampler`); ends, on_step: see
-        `generation.generate`."""
+        max_new_tokens, sampling: one for all prompts or one per prompt (each then sampling
+        with a generator of its own, from its seed); watch: see `generation.generate`."""
         pol = as_spec(policy).make()
         stop = tuple(self.config.eos_token_ids) if stop_ids is None else tuple(stop_ids)
         outs = generate(self.engine, encoded, max_new_tokens, pol, sampling, stop, self.pad_id,
-                        row_seeds, ends, on_step)
+                        watch)
         steps = max(max_new_tokens) if isinstance(max_new_tokens, list) else max_new_tokens
         return outs, pol.describe(resolved_layout(pol, encoded, steps))
 

@@ -21,7 +21,7 @@ import sys
 from flexevict.cli import (add_model_args, check_gpu_batch_size, cpu_threads, has_auto,
                            plan_job, policy_spec, print_resolved)
 from flexevict.errors import UserError, cli_errors
-from flexevict.runtime.generation import Sampling
+from flexevict.runtime.generation import Sampling, Watch
 from flexevict.runtime.progress import Progress
 
 DEFAULT_GPU_BATCH = 8            # generate's --gpu-batch-size when not given
@@ -146,7 +146,8 @@ def generate_one(spec, prompt: str) -> str:
     try:
         with Progress(spec.max_new_tokens, "generating", "token") as bar:
             outs, resolved = llm.generate_block([ids], spec.max_new_tokens, spec.sampling,
-                                                spec.policy, on_step=lambda *_: bar.update())
+                                                spec.policy, watch=Watch(None, lambda *_:
+                                                                         bar.update()))
     finally:
         llm.close()
     print_resolved([resolved])

@@ -125,17 +125,22 @@ def test_outputs_do_not_depend_on_the_blocks(tmp_path, tiny_dir, reference):  # 
 
 
 def test_row_seeded_sampling_is_batch_invariant():
-    """generate() with row_seeds: a prompt samples the same tokens alone as in a batch."""
+    """generate() with one Sampling per prompt: a prompt samples the same tokens alone as in a
+    batch, and with other settings beside it (greedy, another temperature, top-p)."""
+    import dataclasses
     from flexevict.runtime.generation import Sampling, generate
     from flexevict.policies import get_policy
     from tiny import model_for, rand_prompts
     m, ps = model_for("opt"), rand_prompts([5, 9, 7], seed=2)
-    s = Sampling(greedy=False, temperature=1.5, seed=0)
-    together = generate(m, ps, 10, get_policy("full"), s, row_seeds=[11, 12, 13])
-    alone = [generate(m, [p], 10, get_policy("full"), s, row_seeds=[seed])[0]
-             for p, seed in zip(ps, [11, 12, 13])]
+    hot = Sampling(greedy=False, temperature=1.5)
+    rows = [dataclasses.replace(hot, seed=seed) for seed in (11, 12, 13)]
+    together = generate(m, ps, 10, get_policy("full"), rows)
+    alone = [generate(m, [p], 10, get_policy("full"), [s])[0] for p, s in zip(ps, rows)]
     assert together == alone
-    assert generate(m, ps, 10, get_policy("full"), s, row_seeds=[11, 12, 14])[2] != alone[2]
+    mixed = [Sampling(), rows[1], Sampling(greedy=False, temperature=0.7, top_p=0.8, seed=5)]
+    assert generate(m, ps, 10, get_policy("full"), mixed)[1] == alone[1]
+    other = rows[:2] + [dataclasses.replace(hot, seed=14)]
+    assert generate(m, ps, 10, get_policy("full"), other)[2] != alone[2]
 
 
 # ------------------------------------------------------------------ refused reruns, --restart

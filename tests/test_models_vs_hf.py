@@ -62,6 +62,15 @@ def _mistral(**kw):
     return MistralConfig(**base)
 
 
+def _qwen3(**kw):
+    from transformers import Qwen3Config
+    base = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, intermediate_size=128,
+                max_position_embeddings=256, tie_word_embeddings=True, rms_norm_eps=1e-6)
+    base.update(kw)
+    return Qwen3Config(**base)
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
@@ -79,6 +88,7 @@ CONFIGS = {
     # from_hf_dict also accepts these LLaMA-family model types
     "mistral": lambda: _mistral(),
     "qwen2": lambda: _qwen2(),           # q/k/v biases, no o_proj bias
+    "qwen3": lambda: _qwen3(),           # QK-norm per head, H*d != hidden, tied head
 }
 
 

@@ -11,7 +11,7 @@ from flexevict.errors import UserError
 from flexevict.runtime.generation import Sampling, generate
 from flexevict.core.model import Transformer
 from flexevict.policies import POLICIES, Policy, get_policy
-from tiny import CONFIGS, model_for, rand_prompts, roomy
+from tiny import CONFIGS, FAMILY_CONFIGS, model_for, rand_prompts, roomy
 
 EVICTING = sorted(n for n in POLICIES if n != "full")
 
@@ -130,6 +130,22 @@ def test_batch_rows_are_independent(name):
     together = generate(m, ps, 30, get_policy(name, budget=0.3), Sampling(), (), 0)
     alone = [generate(m, [p], 30, get_policy(name, budget=0.3), Sampling(), (), 0)[0] for p in ps]
     assert together == alone
+
+
+@pytest.mark.parametrize("family", FAMILY_CONFIGS)
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_family_runs_every_policy(name, family):
+    """Each further family (its own block around the shared attention and cache): a whole-
+    sequence budget gives `full`'s tokens, an evicting one the same tokens in a batch as
+    alone."""
+    m, ps = model_for(family), rand_prompts([40, 40], seed=2)
+    ref = generate(m, ps, 16, get_policy("full"), Sampling(), (), 0)
+    if POLICIES[name].logit_scale is Policy.logit_scale:
+        assert generate(m, ps, 16, get_policy(name, budget=1.0), Sampling(), (), 0) == ref
+    if name != "full":
+        policy = lambda: get_policy(name, **roomy(name, budget=0.4))  # noqa: E731
+        together = generate(m, ps, 16, policy(), Sampling(), (), 0)
+        assert together == [generate(m, [p], 16, policy(), Sampling(), (), 0)[0] for p in ps]
 
 
 @pytest.mark.parametrize("name", EVICTING)

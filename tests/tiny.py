@@ -14,13 +14,21 @@ CONFIGS = {
                        num_heads=4, num_kv_heads=4, ffn_size=128, max_positions=512,
                        tie_embeddings=False),
 }
+# families run by the policy matrix's family tests only (test_policy_matrix.py): the tests over
+# CONFIGS cover the attention and cache paths, which every family shares
+FAMILY_CONFIGS = {
+    "qwen3": ModelConfig(arch="qwen3", name="t-qwen3", vocab_size=128, hidden_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, ffn_size=128,
+                         max_positions=512, norm_eps=1e-6),
+}
 _MODELS = {}
 
 
 def model_for(key: str) -> Transformer:
     """A cached dummy-weight (seed 0) model for a CONFIGS key."""
     if key not in _MODELS:
-        _MODELS[key] = Transformer.load(CONFIGS[key], DummyWeights(CONFIGS[key], seed=0))
+        cfg = CONFIGS.get(key) or FAMILY_CONFIGS[key]
+        _MODELS[key] = Transformer.load(cfg, DummyWeights(cfg, seed=0))
     return _MODELS[key]
 
 

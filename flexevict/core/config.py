@@ -12,9 +12,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from flexevict.core.families import MODEL_TYPES, family_of
 from flexevict.errors import UserError
 
-ARCHS = ("opt", "llama")            # the model families the white-box model implements
+# the kinds the planner calibrates: every family is timed as one of them (Family.calibrated_as)
+ARCHS = ("opt", "llama")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -28,7 +30,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                      # one of ARCHS
+    arch: str                      # the model family: a key of families.FAMILIES
     name: str
     vocab_size: int
     hidden_size: int
@@ -38,7 +40,7 @@ class ModelConfig:
     ffn_size: int
     max_positions: int
     norm_eps: float = 1e-5
-    # LLaMA family
+    # LLaMA families
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     attention_bias: bool = False   # q/k/v and o projections
@@ -65,63 +67,19 @@ class ModelConfig:
     def embed_dim(self) -> int:
         return self.word_embed_dim or self.hidden_size
 
+    @property
+    def family(self):
+        """The family that runs this model (`families.Family`)."""
+        return family_of(self)
+
     # ---------------------------------------------------------------- parameters
     def layer_param_shapes(self, j: int) -> dict[str, tuple]:
         """HF names and shapes of layer j's parameters, in declaration order."""
-        h, f, d = self.hidden_size, self.ffn_size, self.dim_head
-        q_out, kv_out = self.num_heads * d, self.num_kv_heads * d
-        if self.arch == "opt":
-            p = f"model.decoder.layers.{j}."
-            shapes = {}
-            for name, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
-                shapes[p + f"self_attn.{name}.weight"] = (out, h)
-                if self.enable_bias:
-                    shapes[p + f"self_attn.{name}.bias"] = (out,)
-            shapes[p + "self_attn.out_proj.weight"] = (h, q_out)
-            shapes[p + "fc1.weight"] = (f, h)
-            shapes[p + "fc2.weight"] = (h, f)
-            if self.enable_bias:
-                shapes[p + "self_attn.out_proj.bias"] = (h,)
-                shapes[p + "fc1.bias"] = (f,)
-                shapes[p + "fc2.bias"] = (h,)
-            for ln in ("self_attn_layer_norm", "final_layer_norm"):
-                shapes[p + f"{ln}.weight"] = (h,)
-                shapes[p + f"{ln}.bias"] = (h,)
-            return shapes
-        p = f"model.layers.{j}."
-        shapes = {p + "input_layernorm.weight": (h,)}
-        for name, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
-            shapes[p + f"self_attn.{name}.weight"] = (out, h)
-            if self.attention_bias or self.qkv_bias:
-                shapes[p + f"self_attn.{name}.bias"] = (out,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
-        if self.attention_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for name, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
-            shapes[p + f"mlp.{name}.weight"] = shape
-            if self.mlp_bias:
-                shapes[p + f"mlp.{name}.bias"] = (shape[0],)
-        return shapes
+        return self.family.layer_params(self, j)
 
     def outer_param_shapes(self) -> dict[str, tuple]:
         """Embeddings, final norm and LM head (everything outside the layers)."""
-        h, v = self.hidden_size, self.vocab_size
-        if self.arch == "opt":
-            p = "model.decoder."
-            shapes = {p + "embed_tokens.weight": (v, self.embed_dim),
-                      p + "embed_positions.weight": (self.max_positions + 2, h)}
-            if self.embed_dim != h:
-                shapes[p + "project_in.weight"] = (h, self.embed_dim)
-                shapes[p + "project_out.weight"] = (self.embed_dim, h)
-            if self.has_final_norm:
-                shapes[p + "final_layer_norm.weight"] = (h,)
-                shapes[p + "final_layer_norm.bias"] = (h,)
-        else:
-            shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-        if not self.tie_embeddings:
-            shapes["lm_head.weight"] = (v, self.embed_dim)
-        return shapes
+        return self.family.outer_params(self)
 
     def param_shapes(self) -> dict[str, tuple]:
         shapes = self.outer_param_shapes()
@@ -212,54 +170,18 @@ def registry_config(name: str) -> ModelConfig:
 
 
 def from_hf_dict(cfg: dict, name: str = "hf") -> ModelConfig:
-    """Build a ModelConfig from an HF `config.json` dictionary (OPT or LLaMA-family)."""
+    """Build a ModelConfig from an HF `config.json` dictionary (its model_type read by the
+    family that implements it)."""
     mtype = cfg.get("model_type", "")
+    if mtype not in MODEL_TYPES:
+        raise UserError(f"{name}: model_type '{mtype}' is not supported ({', '.join(MODEL_TYPES)})")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     common = dict(name=name, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
                   num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
                   bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
                   pad_token_id=cfg.get("pad_token_id"))
-    if mtype == "opt":
-        if cfg.get("activation_function", "relu") != "relu":
-            raise UserError(f"{name}: only ReLU OPT models are supported")
-        pre = cfg.get("do_layer_norm_before", True)
-        return ModelConfig(arch="opt", num_kv_heads=cfg["num_attention_heads"],
-                           ffn_size=cfg["ffn_dim"], max_positions=cfg["max_position_embeddings"],
-                           pre_layer_norm=pre,
-                           word_embed_dim=_unless_default(cfg.get("word_embed_proj_dim"),
-                                                          cfg["hidden_size"]),
-                           has_final_norm=pre and not cfg.get("_remove_final_layer_norm", False),
-                           enable_bias=cfg.get("enable_bias", True),
-                           tie_embeddings=cfg.get("tie_word_embeddings", True), **common)
-    if mtype in ("llama", "mistral", "qwen2"):
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise UserError(f"{name}: only SiLU (SwiGLU) LLaMA models are supported")
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            scaling = None
-        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
-        max_pos = cfg.get("max_position_embeddings", 4096)
-        window = cfg.get("sliding_window")
-        if window and (mtype == "mistral" or cfg.get("use_sliding_window")):
-            max_pos = min(max_pos, window)     # no sliding-window attention: refuse longer runs
-        return ModelConfig(arch="llama",
-                           num_kv_heads=(cfg.get("num_key_value_heads")
-                                         or cfg["num_attention_heads"]),
-                           ffn_size=cfg["intermediate_size"], max_positions=max_pos,
-                           norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-                           rope_scaling=scaling, attention_bias=cfg.get("attention_bias", False),
-                           qkv_bias=mtype == "qwen2", mlp_bias=cfg.get("mlp_bias", False),
-                           head_dim=_unless_default(
-                               cfg.get("head_dim"),
-                               cfg["hidden_size"] // cfg["num_attention_heads"]),
-                           tie_embeddings=cfg.get("tie_word_embeddings", False), **common)
-    raise UserError(f"{name}: model_type '{mtype}' is not supported (OPT or LLaMA-family only)")
-
-
-def _unless_default(value, default):
-    """None when a config value is absent or equals what the architecture derives anyway."""
-    return None if value in (None, default) else value
+    return ModelConfig(**common, **MODEL_TYPES[mtype].from_hf(cfg, name))
 
 
 def to_hf_dict(c: ModelConfig) -> dict:
@@ -270,18 +192,7 @@ def to_hf_dict(c: ModelConfig) -> dict:
                   eos_token_id=list(c.eos_token_ids) if len(c.eos_token_ids) > 1 else
                   (c.eos_token_ids[0] if c.eos_token_ids else None),
                   pad_token_id=c.pad_token_id, tie_word_embeddings=c.tie_embeddings)
-    if c.arch == "opt":
-        return dict(model_type="opt", architectures=["OPTForCausalLM"], ffn_dim=c.ffn_size,
-                    do_layer_norm_before=c.pre_layer_norm, word_embed_proj_dim=c.embed_dim,
-                    activation_function="relu", enable_bias=c.enable_bias,
-                    _remove_final_layer_norm=c.pre_layer_norm and not c.has_final_norm, **common)
-    qwen = c.qkv_bias and not c.attention_bias     # q/k/v-only biases are Qwen2's layout
-    return dict(model_type="qwen2" if qwen else "llama",
-                architectures=["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-                num_key_value_heads=c.num_kv_heads, intermediate_size=c.ffn_size,
-                rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
-                attention_bias=c.attention_bias, mlp_bias=c.mlp_bias, head_dim=c.dim_head,
-                hidden_act="silu", **common)
+    return {**c.family.to_hf(c), **common}
 
 
 def load_hf_config(folder: str) -> ModelConfig:

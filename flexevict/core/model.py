@@ -1,8 +1,10 @@
-"""White-box OPT and LLaMA in plain PyTorch.
+"""White-box decoders in plain PyTorch: every family in `core/families/`, one model.
 
 The model is four functions over explicit weights: `embed` (tokens -> hidden), a block's
 `attention_half` (reading and writing that layer's `KVBuffer` through the policy) and
-`mlp_half`, and `head` (hidden -> logits). The only caller is the engine (engine.py), which
+`mlp_half`, and `head` (hidden -> logits). What differs between families (weight names, norms,
+embeddings, the MLP, a per-head transform of queries and keys) is the family's (`Family`);
+attention, RoPE and the cache are here, once. The only caller is the engine (engine.py), which
 streams one layer's weights at a time and reuses them over several GPU batches: there is no
 second forward loop. Shapes: B batch, S sequence, H query heads,
 Hk kv heads, d head dim, D hidden, R = B * Hk buffer rows.
@@ -12,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 
 from flexevict.core import kernels
 from flexevict.core.config import ModelConfig
+from flexevict.core.ops import (LINEAR_WEIGHTS, PackedWeight, linear,  # noqa: F401 - re-exported
+                                onednn_usable, prepack, rms_norm)
 from flexevict.errors import UserError
 from flexevict.core.kv import KVBuffer
 
@@ -42,53 +45,14 @@ def load_layer_weights(config: ModelConfig, source, j: int, device, dtype, only=
 def layer_recipe(config: ModelConfig, j: int) -> dict:
     """How each of layer j's weights is made: key -> the HF tensors concatenated along dim 0
     (q/k/v and gate/up fused), or None for an absent bias. Keys in the model's order; a fused
-    bias that the model lacks (bqkv, bgu) has no key at all."""
-    names = config.layer_param_shapes(j)
-    prefix = next(iter(names)).split(f"layers.{j}.", 1)[0] + f"layers.{j}."
-
-    def parts(*suffixes):
-        found = [prefix + x for x in suffixes]
-        return found if all(n in names for n in found) else None
-
-    a = "self_attn."
-    r = {"wqkv": parts(*(a + p + ".weight" for p in ("q_proj", "k_proj", "v_proj")))}
-    bqkv = parts(*(a + p + ".bias" for p in ("q_proj", "k_proj", "v_proj")))
-    if bqkv:
-        r["bqkv"] = bqkv
-    if config.arch == "opt":
-        r.update(wo=parts(a + "out_proj.weight"), bo=parts(a + "out_proj.bias"),
-                 ln1_w=parts("self_attn_layer_norm.weight"),
-                 ln1_b=parts("self_attn_layer_norm.bias"),
-                 ln2_w=parts("final_layer_norm.weight"), ln2_b=parts("final_layer_norm.bias"),
-                 w1=parts("fc1.weight"), b1=parts("fc1.bias"),
-                 w2=parts("fc2.weight"), b2=parts("fc2.bias"))
-        return r
-    r.update(wo=parts(a + "o_proj.weight"), bo=parts(a + "o_proj.bias"),
-             norm1=parts("input_layernorm.weight"),
-             norm2=parts("post_attention_layernorm.weight"),
-             wgu=parts("mlp.gate_proj.weight", "mlp.up_proj.weight"))
-    bgu = parts("mlp.gate_proj.bias", "mlp.up_proj.bias")
-    if bgu:
-        r["bgu"] = bgu
-    r.update(wd=parts("mlp.down_proj.weight"), bd=parts("mlp.down_proj.bias"))
-    return r
+    bias that the model lacks (bqkv, bgu) has no key at all (`Family.layer_recipe`)."""
+    return config.family.layer_recipe(config, j)
 
 
 def load_outer_weights(config: ModelConfig, source, device, dtype) -> dict:
     """Embeddings, final norm and LM head (tied heads share the embedding tensor)."""
     raw = {n: source.load(n, device=device, dtype=dtype) for n in config.outer_param_shapes()}
-    if config.arch == "opt":
-        p = "model.decoder."
-        w = {"embed": raw[p + "embed_tokens.weight"],
-             "pos_embed": raw[p + "embed_positions.weight"],
-             "proj_in": raw.get(p + "project_in.weight"),
-             "proj_out": raw.get(p + "project_out.weight"),
-             "norm_w": raw.get(p + "final_layer_norm.weight"),
-             "norm_b": raw.get(p + "final_layer_norm.bias")}
-    else:
-        w = {"embed": raw["model.embed_tokens.weight"], "norm_w": raw["model.norm.weight"]}
-    w["lm_head"] = raw.get("lm_head.weight", w["embed"])
-    return w
+    return config.family.outer_weights(config, raw)
 
 
 # ------------------------------------------------------------------------------------ RoPE
@@ -156,50 +120,7 @@ def _rotate_into(lo, hi, x1, x2, c, s) -> None:
 
 # ------------------------------------------------------------------------------------ pieces
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-class PackedWeight:
-    """A linear weight prepacked once for oneDNN (CPU, fp32).
-
-    MKL's sgemm reaches a fraction of oneDNN's speed on the CPUs we run on (bench/cpu_generate.py
-    measured 1.7x end to end on SmolLM2); oneDNN wants its own weight layout, so each weight is
-    reordered once at load time and the plain tensor is dropped. The ops are the ones
-    torch.compile's CPU weight prepacking uses.
-    """
-
-    def __init__(self, w: torch.Tensor):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
-
-
-def onednn_usable(device, dtype) -> bool:
-    return (torch.device(device).type == "cpu" and dtype == torch.float32
-            and os.environ.get("FLEXEVICT_ONEDNN", "1") != "0"
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
 NO_CLOCK = contextlib.nullcontext()   # what `attention_half` times policy hooks with by default
-
-LINEAR_WEIGHTS = ("wqkv", "wo", "w1", "w2", "wgu", "wd", "lm_head", "proj_in", "proj_out")
-
-
-def prepack(weights: dict) -> None:
-    """Replace the linear weights of a layer (or the outer weights) by oneDNN-packed ones."""
-    for key in LINEAR_WEIGHTS:
-        if weights.get(key) is not None:
-            weights[key] = PackedWeight(weights[key])
-
-
-def linear(x, w, b=None):
-    if isinstance(w, PackedWeight):
-        return torch.ops.mkldnn._linear_pointwise(x, w.packed, b, "none", [], "")
-    return F.linear(x, w, b)
-
 
 @dataclass
 class StepInput:
@@ -210,20 +131,21 @@ class StepInput:
     """
     pos: torch.Tensor
     valid: torch.Tensor | None
-    rope: tuple | None = None      # (cos, sin), computed once per call for LLaMA
+    rope: tuple | None = None      # (cos, sin), computed once per call (RoPE families)
     pads: torch.Tensor | None = None   # prefill: (B,) pads per row; None when no row has any
     pos_end: int | None = None     # every position so far is below it (host-known), or None
 
 
 class Transformer:
-    """A white-box decoder (OPT or LLaMA) over explicit weights."""
+    """A white-box decoder (any family of `core/families/`) over explicit weights."""
 
     def __init__(self, config: ModelConfig, layers: list[dict], outer: dict, device=None,
                  dtype=None):
         """layers/outer: resident weights (may be empty when an engine streams them and passes
         each call its loaded weights); device/dtype default to the embedding's."""
         self.config, self.layers, self.outer = config, layers, outer
-        self.inv_freq = rope_inv_freq(config) if config.arch == "llama" else None
+        self.family = config.family
+        self.inv_freq = rope_inv_freq(config) if self.family.uses_rope else None
         self._inv_freq_at = {}         # device -> inv_freq there, copied once
         self._rank_rope_at = {}        # (device, dtype) -> cos|sin of ranks 0..n-1 (`rank_rope`)
         self._device, self._dtype = device, dtype
@@ -288,26 +210,11 @@ class Transformer:
     def embed(self, tokens: torch.Tensor, inp: StepInput, o: dict | None = None) -> torch.Tensor:
         """tokens (B, S) or (B,) -> hidden (B, S, D) or (B, D). o: outer weights (default
         resident)."""
-        o = self.outer if o is None else o
-        h = F.embedding(tokens, o["embed"])
-        if self.config.arch == "opt":
-            if o.get("proj_in") is not None:
-                h = linear(h, o["proj_in"])
-            pos = inp.pos if inp.valid is None else torch.where(inp.valid, inp.pos, -1)
-            h = h + F.embedding(pos + 2, o["pos_embed"])     # OPT's learned positions: offset 2
-        return h
+        return self.family.embed(self.config, self.outer if o is None else o, tokens, inp)
 
     def head(self, h: torch.Tensor, o: dict | None = None) -> torch.Tensor:
         """hidden (..., D) -> fp32 logits (..., V). o: outer weights (default resident)."""
-        o, c = self.outer if o is None else o, self.config
-        if c.arch == "opt":
-            if o.get("norm_w") is not None:
-                h = F.layer_norm(h, (c.hidden_size,), o["norm_w"], o.get("norm_b"), c.norm_eps)
-            if o.get("proj_out") is not None:
-                h = linear(h, o["proj_out"])
-        else:
-            h = rms_norm(h, o["norm_w"], c.norm_eps)
-        return linear(h, o["lm_head"]).float()
+        return self.family.head(self.config, self.outer if o is None else o, h)
 
     # ------------------------------------------------------------------ one layer
     def attention_half(self, w: dict, h: torch.Tensor, inp: StepInput, buf: KVBuffer,
@@ -315,31 +222,14 @@ class Transformer:
         """Norm, attention over `buf` (updated through `policy`), residual. The engine runs the
         two halves of a block as separate schedule layers with `sep_layer`. clock: a context
         manager entered around each policy hook (the engine times eviction bookkeeping)."""
-        c = self.config
-        opt = c.arch == "opt"
-        if opt:
-            x = F.layer_norm(h, (c.hidden_size,), w["ln1_w"], w["ln1_b"], c.norm_eps) \
-                if c.pre_layer_norm else h
-        else:
-            x = rms_norm(h, w["norm1"], c.norm_eps)
-        h = h + linear(self.attention(x, w, inp, buf, policy, clock), w["wo"], w["bo"])
-        if opt and not c.pre_layer_norm:
-            h = F.layer_norm(h, (c.hidden_size,), w["ln1_w"], w["ln1_b"], c.norm_eps)
-        return h
+        c, fam = self.config, self.family
+        x = fam.attention_input(c, w, h)
+        attn = linear(self.attention(x, w, inp, buf, policy, clock), w["wo"], w["bo"])
+        return fam.attention_output(c, w, h, attn)
 
     def mlp_half(self, w: dict, h: torch.Tensor) -> torch.Tensor:
-        """Norm, feed-forward (OPT: ReLU MLP; LLaMA: SwiGLU), residual."""
-        c = self.config
-        if c.arch == "opt":
-            x = F.layer_norm(h, (c.hidden_size,), w["ln2_w"], w["ln2_b"], c.norm_eps) \
-                if c.pre_layer_norm else h
-            h = h + linear(torch.relu(linear(x, w["w1"], w["b1"])), w["w2"], w["b2"])
-            if not c.pre_layer_norm:
-                h = F.layer_norm(h, (c.hidden_size,), w["ln2_w"], w["ln2_b"], c.norm_eps)
-            return h
-        x = rms_norm(h, w["norm2"], c.norm_eps)
-        gate, up = linear(x, w["wgu"], w.get("bgu")).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, w["wd"], w["bd"])
+        """Norm, feed-forward, residual (`Family.mlp_half`)."""
+        return self.family.mlp_half(self.config, w, h)
 
     def attention(self, x, w, inp: StepInput, buf: KVBuffer, policy, clock=NO_CLOCK
                   ) -> torch.Tensor:
@@ -347,6 +237,7 @@ class Transformer:
         nh, nk, d = c.num_heads, c.num_kv_heads, c.dim_head
         qkv = linear(x, w["wqkv"], w.get("bqkv"))
         q, k, v = qkv.split([nh * d, nk * d, nk * d], dim=-1)
+        q, k = self.family.query_key(c, w, q, k)
         if x.dim() == 3:
             return self._prefill_attention(q, k, v, inp, buf, policy, clock)
         return self._decode_attention(q, k, v, inp, buf, policy, clock)

@@ -7,11 +7,12 @@ rows and the settings, so a resumed run and every Ray worker form exactly the sa
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from flexevict.jobs.inputs import Row, read_window
 from flexevict.jobs.openai_batch import Choice, response_line
-from flexevict.runtime.generation import plan_batches
+from flexevict.runtime.generation import Watch, plan_batches
 
 
 def plan_window(rows: list[Row], spec) -> list[list[Row]]:
@@ -43,9 +44,9 @@ def run_block(llm, spec, rows: list[Row], on_step=None) -> dict:
     seqs = [(r, seed) for r in rows for seed in spec.choice_seeds(r)]
     reqs = [r.request for r, _ in seqs]
     outs, resolved = llm.generate_block(
-        [r.ids for r, _ in seqs], [q.max_new_tokens for q in reqs], [q.sampling for q in reqs],
-        spec.policy, row_seeds=[seed for _, seed in seqs], ends=_stop_strings(llm, reqs),
-        on_step=on_step)
+        [r.ids for r, _ in seqs], [q.max_new_tokens for q in reqs],
+        [dataclasses.replace(q.sampling, seed=seed) for q, (_, seed) in zip(reqs, seqs)],
+        spec.policy, watch=Watch(_stop_strings(llm, reqs), on_step))
     seconds = time.perf_counter() - t0
     out, at = [], 0
     for r in rows:

@@ -278,7 +278,7 @@ class CostModel:
         prefill hook, over one pass's time (PASSES without a probe)."""
         if self._passes_fit is not None:
             return self._passes_fit
-        arch, d, e = self.config.arch, self.dev, self.elem
+        arch, d, e = self.config.family.calibrated_as, self.dev, self.elem
         probe = d.get("probe", {}).get(arch)
         self._passes_fit = dict(PASSES[arch])
         if not probe:
@@ -311,7 +311,7 @@ class CostModel:
         if self._eff is not None:
             return self._eff
         self._eff = {"prefill": 1.0, "decode": 1.0, "weights": 1.0}
-        probe = self.dev.get("engine_probe", {}).get(self.config.arch)
+        probe = self.dev.get("engine_probe", {}).get(self.config.family.calibrated_as)
         if not probe or self.cuda:
             return self._eff
         from flexevict.planner.calibration import engine_probe_config
@@ -319,7 +319,8 @@ class CostModel:
         from flexevict.policies import PolicySpec
         eff = {"prefill": 1.0, "decode": 1.0, "weights": 1.0}
         # fitted where the probe ran (the calibration's thread count), used at any count
-        m = CostModel(engine_probe_config(self.config.arch), self.cal.as_measured(), self.device,
+        m = CostModel(engine_probe_config(self.config.family.calibrated_as), self.cal.as_measured(),
+                      self.device,
                       self.dtype, probe["prompt"], probe["gen"], PolicySpec("full"),
                       efficiency=eff)
         shape = {"gpu_batch_size": probe["gpu_batch_size"],
@@ -496,7 +497,7 @@ class CostModel:
         if self.cuda:
             return 0.0
         phase = "prefill" if i == 0 else "decode"
-        o = self.dev["overhead"][self.config.arch][phase]
+        o = self.dev["overhead"][self.config.family.calibrated_as][phase]
         share = {"embed": o["ends_s"] / 2, "head": o["ends_s"] / 2, "block": o["block_s"],
                  "attn": 0.75 * o["block_s"], "mlp": 0.25 * o["block_s"]}[kind]
         t = len(sizes) * share

@@ -39,7 +39,6 @@ from flexevict.runtime.placement import DEFAULT_OFFLOAD_DIR, Placement
 from flexevict.runtime.weight_cache import WeightCache
 
 POOL = 3          # working buffers in flight: computing, being loaded, being stored
-ATTENTION_KEYS = ("wqkv", "bqkv", "wo", "bo", "ln1_w", "ln1_b", "norm1")
 EMBED_KEYS = ("embed", "pos_embed", "proj_in")
 
 
@@ -119,16 +118,17 @@ def stages_for(num_layers: int, sep_layer: bool) -> list[Stage]:
     return [Stage("embed"), *blocks, Stage("head")]
 
 
-def split_weights(stage: Stage, layer: dict, outer: dict) -> dict:
-    """The weights a schedule layer reads, in declaration order (None: an absent bias)."""
+def split_weights(stage: Stage, layer: dict, outer: dict, family) -> dict:
+    """The weights a schedule layer reads, in declaration order (None: an absent bias); a
+    block's halves split by the family's `attention_keys`."""
     if stage.kind == "embed":
         w = {k: outer.get(k) for k in EMBED_KEYS}
     elif stage.kind == "head":
         w = {k: v for k, v in outer.items() if k not in EMBED_KEYS}
     elif stage.kind == "attn":
-        w = {k: v for k, v in layer.items() if k in ATTENTION_KEYS}
+        w = {k: v for k, v in layer.items() if k in family.attention_keys}
     elif stage.kind == "mlp":
-        w = {k: v for k, v in layer.items() if k not in ATTENTION_KEYS}
+        w = {k: v for k, v in layer.items() if k not in family.attention_keys}
     else:
         w = dict(layer)
     return w
@@ -171,7 +171,7 @@ class Engine:
         stages = stages_for(model.config.num_layers, sep_layer=False)
         homes = [{k: Home("gpu", v) for k, v in
                   split_weights(s, model.layers[s.layer] if s.has_cache else {},
-                                model.outer).items()}
+                                model.outer, model.family).items()}
                  for s in stages]
         return cls(model, Placement(sep_layer=False, overlap=False),
                    homes, Tiers(model.device, DEFAULT_OFFLOAD_DIR, pin=False))
@@ -199,7 +199,7 @@ class Engine:
                 if progress:
                     progress(sum(t.numel() * t.element_size() for t in layer.values()
                                  if t is not None))
-            weights = split_weights(s, layer if s.layer >= 0 else {}, outer)
+            weights = split_weights(s, layer if s.layer >= 0 else {}, outer, config.family)
             tiers_of = placement.tensor_tiers(weights)
             place = functools.partial(_place, tiers, pack=pack, placement=placement)
             if kept is not None and s.layer >= 0:
@@ -620,7 +620,7 @@ def _read_layer(config, source, j: int, device, dtype, placement, kept, stages):
     meta = load_layer_weights(config, MetaWeights(config), j, "meta", dtype)
     on_disk = set()
     for s in stages:
-        weights = split_weights(s, meta, {})
+        weights = split_weights(s, meta, {}, config.family)
         on_disk |= {k for k, tier in zip(weights, placement.tensor_tiers(weights))
                     if tier == "disk"}
     compress = placement.compress_weight

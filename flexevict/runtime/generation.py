@@ -8,6 +8,7 @@ alone (any lengths with `full`; see `Policy.batch_key` for evicting policies).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -43,37 +44,36 @@ class Sampling:
 
 
 class Sampler:
-    """Picks the next token from logits. One seeded generator for the whole run, or, with
-    row_seeds, one per sequence: then a sequence's samples depend only on its own seed, settings
-    and logits, not on which other sequences share its batch (what lets a batch job be resumed
-    or spread over workers and still sample the same tokens). `cfg` is one Sampling for every
-    sequence or one per sequence (a batch job's requests each bring their own)."""
+    """Picks the next token from logits. `cfg` is one Sampling for every sequence, with one
+    generator seeded by its seed, or one Sampling per sequence, each sequence with a generator
+    of its own seeded by its Sampling's seed: then a sequence's samples depend only on its own
+    settings, seed and logits, not on which other sequences share its batch (what lets a batch
+    job be resumed or spread over workers and still sample the same tokens)."""
 
-    def __init__(self, cfg: Sampling | list[Sampling], device, row_seeds: list[int] | None = None):
+    def __init__(self, cfg: Sampling | list[Sampling], device):
         self.cfgs = cfg if isinstance(cfg, list) else None
-        self.cfg = cfg if self.cfgs is None else None
-        seed = cfg.seed if self.cfgs is None else 0
-        self.gen = torch.Generator(device=device).manual_seed(seed)
-        self.row_gens = None
-        if row_seeds is not None and not self.all_greedy:
-            self.row_gens = [torch.Generator(device=device).manual_seed(s) for s in row_seeds]
-        if self.cfgs is not None and self.row_gens is None and not self.all_greedy:
-            raise ValueError("per-sequence sampling settings need per-sequence seeds (row_seeds)")
+        self.cfg = None if self.cfgs is not None else cfg
+        self.gen = self.row_gens = None
+        if self.all_greedy:
+            return
+        if self.cfgs is None:
+            self.gen = torch.Generator(device=device).manual_seed(cfg.seed)
+        else:
+            self.row_gens = [torch.Generator(device=device).manual_seed(c.seed) for c in cfg]
 
     @property
     def all_greedy(self) -> bool:
         return all(c.is_greedy for c in self.cfgs) if self.cfgs is not None else self.cfg.is_greedy
 
     def __call__(self, logits: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
-        """logits (B, V) fp32 of the sequences `rows` (with row_seeds) -> tokens (B,)."""
+        """logits (B, V) fp32 of the sequences `rows` (per-sequence settings) -> tokens (B,)."""
         if self.all_greedy:
             return logits.argmax(dim=-1)
-        if self.row_gens is None:
+        if self.cfgs is None:
             probs = _probabilities(logits, self.cfg)
             return torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
-        cfgs = self.cfgs[rows] if self.cfgs is not None else [self.cfg] * logits.shape[0]
         return torch.cat([_pick(logits[r:r + 1], c, g)
-                          for r, (c, g) in enumerate(zip(cfgs, self.row_gens[rows]))])
+                          for r, (c, g) in enumerate(zip(self.cfgs[rows], self.row_gens[rows]))])
 
 
 def _pick(logits: torch.Tensor, c: Sampling, gen: torch.Generator) -> torch.Tensor:
@@ -133,18 +133,25 @@ def as_engine(model):
     return model if isinstance(model, Engine) else Engine.resident(model)
 
 
+@dataclass(frozen=True)
+class Watch:
+    """What `generate` calls on the host after each step, both optional. ends(r, ids) -> True
+    once sequence r's generated ids so far end its output (e.g. a stop string appeared; the
+    output is cut there; checked only when given); on_step(tokens, step, steps): the tokens
+    the step generated (the sequences still running), for progress."""
+    ends: Callable[[int, list[int]], bool] | None = None
+    on_step: Callable[[int, int, int], None] | None = None
+
+
 def generate(model, prompts: list[list[int]], max_new_tokens: int | list[int], policy,
              sampling: Sampling | list[Sampling] = Sampling(), stop_ids=(), pad_id: int = 0,
-             row_seeds: list[int] | None = None, ends=None, on_step=None) -> list[list[int]]:
+             watch: Watch = Watch()) -> list[list[int]]:
     """Generate up to max_new_tokens per prompt with an Engine (or a resident Transformer); a
     sequence stops after emitting a stop id (the stop id is kept in its output).
 
-    max_new_tokens and sampling: one for every prompt, or one per prompt (the run decodes for
-    the most; each sequence is cut at its own). row_seeds: one sampling seed per prompt (see
-    `Sampler`); default one generator seeded by sampling.seed. ends(r, ids) -> True once prompt
-    r's generated ids so far end its output (e.g. a stop string appeared): checked on the host
-    after every step, only when given; the output is cut there. on_step(tokens, step, steps)
-    after each step: the tokens it generated (sequences still running), for progress."""
+    max_new_tokens: one for every prompt, or one per prompt (the run decodes for the most;
+    each sequence is cut at its own). sampling: one for every prompt (one generator), or one per
+    prompt, each seeding a generator of its own (`Sampler`). watch: host callbacks per step."""
     n = len(prompts)
     limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
     if min(limits) < 1:
@@ -153,17 +160,17 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int | list[int], p
         s.check()
     engine = as_engine(model)
     device = engine.tiers.compute
-    sample = Sampler(sampling, device, row_seeds)
+    sample = Sampler(sampling, device)
     rows = engine.placement.batch_rows(n)           # the engine's GPU batches
     stop = torch.tensor(sorted(stop_ids) or [-1], device=device)
     last_step = torch.tensor(limits, device=device) - 1
-    ended = _Ends(n, ends)
+    ended = _Ends(n, watch.ends)
     done = {}
 
     def consume(i, k, h, head):
         nxt = sample(head(h[:, -1] if h.dim() == 3 else h), rows[k])
         finished = torch.isin(nxt, stop) | (last_step[rows[k]] <= i)
-        if ends is not None:
+        if watch.ends is not None:
             finished |= torch.tensor(ended.step(rows[k], nxt.tolist()), device=device)
         done[k] = done.get(k, False) | finished
         return nxt
@@ -174,8 +181,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int | list[int], p
         nonlocal running, step
         step += 1
         left = sum(int((~d).sum()) for d in done.values())
-        if on_step is not None:
-            on_step(running, step, steps)
+        if watch.on_step is not None:
+            watch.on_step(running, step, steps)
         running = left
         return left == 0
 
