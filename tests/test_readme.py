@@ -81,6 +81,46 @@ def readme_commands() -> list[str]:
     return commands
 
 
+def stated_outputs() -> dict[str, dict]:
+    """{command: the JSON a bash block states it prints} for the commands of COMMAND_DOCS whose
+    next line is `# {...}`."""
+    stated = {}
+    for doc in COMMAND_DOCS:
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            lines = block.replace("\\\n", " ").splitlines()
+            for cmd, out in zip(lines, lines[1:]):
+                cmd = re.sub(r"\s+#.*$", "", cmd).strip()
+                if cmd.startswith("python -m flexevict.") and out.startswith("# {"):
+                    stated[cmd] = json.loads(out[2:])
+    return stated
+
+
+def matches_stated(got: dict, stated: dict) -> bool:
+    """Every stated key printed with the stated value; a stated float to its stated digits."""
+    def same(a, b):
+        if isinstance(b, float):
+            digits = len(repr(b).split(".")[1])
+            return isinstance(a, float) and round(a, digits) == b
+        return a == b
+    return all(k in got and same(got[k], v) for k, v in stated.items())
+
+
+def readme_batch_example() -> list[dict]:
+    """The OpenAI batch output lines README.md shows (the second json block of its section)."""
+    section = README.split("### OpenAI batch files", 1)[1].split("\n### ", 1)[0]
+    block = re.findall(r"```json\n(.*?)```", section, re.S)[1]
+    return [json.loads(ln) for ln in block.splitlines()]
+
+
+def test_the_stated_outputs_are_found():
+    stated = stated_outputs()
+    assert any("eval ppl" in c for c in stated) and all(stated.values())
+    assert matches_stated({"a": 3.40946, "b": "x"}, {"a": 3.4095, "b": "x"})
+    assert not matches_stated({"a": 3.40946}, {"a": 3.42})          # 3.42 != round(a, 2)
+    assert len(readme_batch_example()) == 2
+
+
 def test_readme_commands_are_found_and_use_shipped_files():
     commands = readme_commands()
     assert len(commands) > 15
@@ -104,7 +144,7 @@ def test_readme_commands_run_as_written(tmp_path, monkeypatch):
     (tmp_path / "bench").symlink_to(os.path.join(ROOT, "bench"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FLEXEVICT_PROGRESS_SECONDS", "600")
-    ran = []
+    ran, stated = [], stated_outputs()
     for cmd in readme_commands():
         if needs_elsewhere(cmd):
             continue
@@ -113,7 +153,14 @@ def test_readme_commands_run_as_written(tmp_path, monkeypatch):
         proc = fresh(module.removeprefix("flexevict."), *args)
         assert proc.returncode == 0, (cmd, proc.stderr[-2000:])
         ran.append(cmd)
+        if cmd in stated:                  # the output the README shows is the one printed
+            assert matches_stated(json.loads(proc.stdout), stated[cmd]), (cmd, proc.stdout)
     assert len(ran) >= 10
     for out in ("auto.jsonl", "chat-out.jsonl", "offloaded.jsonl", "out.jsonl", "sampled.jsonl"):
         rows = [json.loads(ln) for ln in (tmp_path / out).read_text().splitlines()]
         assert rows and all("completion" in r for r in rows), out
+    printed = {r["custom_id"]: r for r in map(json.loads, open(tmp_path / "batch-out.jsonl"))}
+    for line in readme_batch_example():    # all but `created`: the input file's mtime
+        got = printed[line["custom_id"]]
+        got["response"]["body"]["created"] = line["response"]["body"]["created"]
+        assert got == line

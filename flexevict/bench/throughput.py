@@ -228,7 +228,7 @@ def warmup_policy(spec: PolicySpec, max_prompt: int, steps: int) -> tuple[Policy
 
 
 def _timed_run(engine, prompts, steps, gen_len, policy, wrap_positions: bool):
-    bar = Progress(steps, "bench", "step", "tokens")
+    bar = Progress(steps, "bench", "step", "processed tokens")   # prompt + generated
     nvml, host = _NvmlPeak(engine.tiers.compute), HostMemoryPeak()
     host.sample()
 
