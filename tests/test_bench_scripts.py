@@ -49,6 +49,14 @@ def check_dummy_weights(out, stdout, tmp):
     assert "after/before" in stdout
 
 
+def check_readme_commands(out, stdout, tmp):
+    r = _json(out)                                           # PREFIX.json
+    (conv,) = r["results"]                                   # --only flexevict.convert
+    assert conv["rc"] == 0 and conv["wall_s"] >= conv["longest_gap_s"] > 0
+    assert "flexevict.convert" in conv["command"] and "wrote" in conv["last_line"]
+    assert "| `python -m flexevict.convert" in open(out[:-len("json")] + "md").read()
+
+
 def check_common(out, stdout, tmp):
     meta = json.loads(stdout)
     assert {"device", "torch", "cuda", "kernels", "commit"} <= set(meta)
@@ -144,6 +152,9 @@ CASES = {
     # two small tensors (one of odd length), one repeat
     "dummy_weights.py": (["--shapes", "64x64,3x5", "--repeats", "1", "--json", "OUT"],
                          check_dummy_weights),
+    # README's convert command alone (the whole list runs for many minutes)
+    "readme_commands.py": (["--only", "flexevict.convert", "--out", "PREFIX"],
+                           check_readme_commands),
     # the tables from the committed results (the suite itself measures for minutes)
     "placement_table.py": ([PLACEMENT], check_placement_table),
     # one CPU case, one round, 2 tokens, against a copy of this same tree
