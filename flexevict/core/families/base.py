@@ -69,6 +69,17 @@ class Family:
         raise NotImplementedError
 
 
+def fused_qkv(parts, attn: str = "self_attn.") -> dict:
+    """The q/k/v projections fused into one weight ("wqkv"), and their biases ("bqkv") where
+    the model has them (no key otherwise). parts: `parts_of`'s function."""
+    qkv = ("q_proj", "k_proj", "v_proj")
+    r = {"wqkv": parts(*(attn + p + ".weight" for p in qkv))}
+    bqkv = parts(*(attn + p + ".bias" for p in qkv))
+    if bqkv:
+        r["bqkv"] = bqkv
+    return r
+
+
 def parts_of(names: dict, prefix: str):
     """-> parts(*suffixes): the full names if every one is in `names`, else None (an absent
     bias)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from flexevict.core.families.base import Family, parts_of, unless_default
+from flexevict.core.families.base import Family, fused_qkv, parts_of, unless_default
 from flexevict.core.ops import linear, rms_norm
 from flexevict.errors import UserError
 
@@ -50,10 +50,7 @@ class LLaMA(Family):
     def layer_recipe(self, c, j):
         parts = parts_of(c.layer_param_shapes(j), f"model.layers.{j}.")
         a = "self_attn."
-        r = {"wqkv": parts(*(a + p + ".weight" for p in ("q_proj", "k_proj", "v_proj")))}
-        bqkv = parts(*(a + p + ".bias" for p in ("q_proj", "k_proj", "v_proj")))
-        if bqkv:
-            r["bqkv"] = bqkv
+        r = fused_qkv(parts, a)
         r.update(wo=parts(a + "o_proj.weight"), bo=parts(a + "o_proj.bias"),
                  norm1=parts("input_layernorm.weight"))
         r.update(self.extra_attention_recipe(parts))

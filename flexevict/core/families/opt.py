@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexevict.core.families.base import Family, parts_of, unless_default
+from flexevict.core.families.base import Family, fused_qkv, parts_of, unless_default
 from flexevict.core.ops import linear
 from flexevict.errors import UserError
 
@@ -59,10 +59,7 @@ class OPT(Family):
     def layer_recipe(self, c, j):
         parts = parts_of(c.layer_param_shapes(j), f"model.decoder.layers.{j}.")
         a = "self_attn."
-        r = {"wqkv": parts(*(a + p + ".weight" for p in ("q_proj", "k_proj", "v_proj")))}
-        bqkv = parts(*(a + p + ".bias" for p in ("q_proj", "k_proj", "v_proj")))
-        if bqkv:
-            r["bqkv"] = bqkv
+        r = fused_qkv(parts, a)
         r.update(wo=parts(a + "out_proj.weight"), bo=parts(a + "out_proj.bias"),
                  ln1_w=parts("self_attn_layer_norm.weight"),
                  ln1_b=parts("self_attn_layer_norm.bias"),
