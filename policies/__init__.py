@@ -14,5 +14,7 @@ from flexevict.policies.registry import POLICIES, PolicySpec, get_policy, regist
 # each module registers itself; a new policy is one file plus one name here
 from flexevict.policies import (full, local, streaming, h2o, tova, scissorhands, buzz,  # noqa: E402,F401
                                 vatp, hashevict, cascade, recall)
+from flexevict.policies import keydiff  # noqa: E402,F401
+from flexevict.policies import snapkv  # noqa: E402,F401
 
 __all__ = ["POLICIES", "Policy", "PolicySpec", "get_policy", "register"]

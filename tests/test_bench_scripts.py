@@ -181,6 +181,8 @@ CASES = {
                           check_profile),
     # kvpress lives in its own environment (transformers < 5.3): its command line only
     "accuracy/kvpress_peer.py": (["--help"], check_help),
+    # kvpress lives in its own environment: its command line only
+    "peer_kvpress.py": (["--help"], check_help),
     # the export half (the compare half needs kvpress's output)
     "accuracy/peer.py": (["export", "--out", "OUT"], check_peer_export),
     # FlexGen 0.1.8 runs only on CUDA, from its own environment: its command line only

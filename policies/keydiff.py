@@ -1,0 +1,112 @@
+"""`keydiff`: KeyDiff (Park, Jones, Morse, Goel, Lee, Lott, "KeyDiff: Key Similarity-Based KV
+Cache Eviction for Long-Context LLM Inference in Resource-Constrained Environments", arXiv
+2504.15364; Sec. 3, the anchor score and block-wise prompt processing, Fig. 1 - section pointers
+unchecked against a copy of the paper).
+
+Rule: no attention weights. A cache of N keys is kept; when more arrive, the anchor is the mean
+of the L2-normalised keys present (the cache and the newcomers), each key is scored by its
+negative cosine similarity to the anchor, and the N highest scores stay: the keys most similar
+to the anchor (the least distinctive) go. Every key competes; the paper keeps no sinks and no
+protected recent window in this rule.
+
+Decisions where the paper is silent or the engine differs:
+- N = the committed slots (`slots - 1`). Decode: once the buffer is full, each new token is
+  written to the scratch slot and attended, then the anchor is taken over the `slots` keys
+  present (the new one included) and the one most similar to it goes (a block of one token);
+  the new token may be that one (it is then dropped after being attended once, as TOVA's
+  scratch victim is). Ties: the oldest goes; empty slots first.
+- The anchor is recomputed from the buffer's keys at every eviction, not kept as a running sum
+  (no drift, no declared state; the step reads the keys once more, as attention does). Keys
+  are the cached ones: after RoPE for LLaMA, as the paper's and kvpress's caches hold them.
+- Prompt longer than the buffer: `block=B` (default 128) replays the paper's block-wise prompt
+  processing on the prompt's keys: the first N tokens fill the cache, then each block of B
+  tokens joins and the N best of the N + B stay (kvpress's `BlockPress(KeyDiffPress, B)`).
+  The prefill attention itself is the engine's full causal pass, so only the kept set is
+  block-wise (as in kvpress). `block=0` scores the whole prompt at once, one anchor over every
+  prompt key (kvpress's plain `KeyDiffPress`).
+- Scores are per (sequence, kv head): keys are per kv head, so GQA needs no reduction.
+- Not built: the paper's variants beyond the anchor rule (pairwise similarity; a protected
+  sliding window).
+
+Notes: policies/README.md#keydiff
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flexevict.core import kernels
+from flexevict.core.kv import gather_prompt, left_aligned
+from flexevict.errors import UserError, setting
+
+from flexevict.policies.registry import register
+from flexevict.policies.base import Policy
+
+
+def anchor_similarity(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """KeyDiff's similarity: k (n, R, d), valid (n, R) -> (n, R) fp32, each key's cosine
+    similarity to its row's anchor, the mean of the row's valid keys after L2 normalisation
+    (invalid keys take no part; their similarity is meaningless)."""
+    kf = k.float()
+    unit = F.normalize(kf, dim=-1) * valid.unsqueeze(-1)
+    anchor = unit.sum(0) / valid.sum(0).clamp(min=1).unsqueeze(-1)       # (R, d)
+    return F.cosine_similarity(kf, anchor.unsqueeze(0), dim=-1)
+
+
+@register
+@dataclass(frozen=True)
+class KeyDiff(Policy):
+    block: int = 128
+    name = "keydiff"
+    graph_safe = True
+    stacks = True
+    min_slots = 2                     # one cached key + the token being decoded
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.block < 0:
+            raise UserError(f"{setting('policy_args')} block={self.block}: must be >= 0 (0 "
+                            "scores the whole prompt at once)")
+
+    # ------------------------------------------------------------------ prompt
+    def prompt_keep(self, k, valid, n: int) -> torch.Tensor:
+        """Which of a left-aligned prompt's tokens stay: k (S, R, d), valid (S, R) with each
+        row's real tokens first -> (n, R) indices in position order."""
+        s = k.shape[0]
+        if self.block == 0 or self.block >= s - n:          # one block: one anchor over all
+            return top_rows(torch.where(valid, -anchor_similarity(k, valid), float("-inf")), n)
+        kept = torch.arange(n, device=k.device).unsqueeze(1).expand(n, k.shape[1])
+        for i in range(n, s, self.block):
+            joining = torch.arange(i, min(i + self.block, s), device=k.device)
+            cand = torch.cat([kept, joining.unsqueeze(1).expand(-1, k.shape[1])])
+            kc = k.gather(0, cand.unsqueeze(-1).expand(-1, -1, k.shape[-1]))
+            vc = valid.gather(0, cand)
+            score = torch.where(vc, -anchor_similarity(kc, vc), float("-inf"))
+            kept = cand.gather(0, top_rows(score, n))
+        return kept.sort(dim=0).values
+
+    def prefill(self, buf, k, v, pos, valid, scores=None):
+        n = buf.capacity
+        if k.shape[0] <= n:
+            return buf.store_prompt(k, v, pos, valid)
+        order = left_aligned(valid)
+        k, v, pos, valid, _ = gather_prompt(order, k, v, pos, valid)
+        buf.store_prompt(k, v, pos, valid, keep=self.prompt_keep(k, valid, n))
+
+    # ------------------------------------------------------------------ decode
+    def commit(self, buf, slot):
+        if not buf.layout.evicts or slot != buf.scratch:
+            return buf.commit_appended(slot)
+        n = buf.scratch + 1                  # every committed key and the new one compete
+        similarity = anchor_similarity(buf.k[:n], buf.valid[:n])
+        # the lowest value goes: the key most similar to the anchor (a scratch victim drops it)
+        kernels.evict_commit(buf, n, cursor=False, value=-similarity, commit="replace")
+
+
+def top_rows(score: torch.Tensor, n: int) -> torch.Tensor:
+    """(S, R) scores -> the n highest per row (ties: the newest stay, so the oldest goes, as
+    a decode step's `kernels.lowest` breaks them), in index order."""
+    s = score.shape[0]
+    newest_first = torch.arange(s - 1, -1, -1, device=score.device)
+    ranked = torch.sort(score[newest_first], dim=0, descending=True, stable=True).indices[:n]
+    return newest_first[ranked].sort(dim=0).values
