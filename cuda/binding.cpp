@@ -159,6 +159,83 @@ std::tuple<Tensor, Tensor> decode_attention(const Tensor& q, const Tensor& k, co
   return {out, probs};
 }
 
+// Split-slot decode attention (FeSplitDecode): q (rows, group, dim); k, v (n, rows, dim), rows
+// 16-byte aligned; valid (n, rows); score (>= n, rows) fp32 or None; splits 0: the launcher's
+// choice -> out (rows, group, dim) in q's dtype and probs fp32: (rows, group, n) per query head
+// when `heads`, else (rows, 1, n), each slot's probability summed over the group.
+std::tuple<Tensor, Tensor> split_decode_attention(const Tensor& q, const Tensor& k,
+                                                  const Tensor& v, const Tensor& valid,
+                                                  const c10::optional<Tensor>& score,
+                                                  double scale, int64_t splits, bool heads,
+                                                  int64_t stream) {
+  check_device(q, "q", q);
+  const int dtype = dtype_code(q, "q");
+  TORCH_CHECK_VALUE(q.dim() == 3, "flexevict._C: q must be (rows, group, dim) (got ", q.sizes(),
+                    ")");
+  const int64_t rows = q.size(0), group = q.size(1), dim = q.size(2);
+  TORCH_CHECK_VALUE(k.dim() == 3, "flexevict._C: k must be (n, rows, dim) (got ", k.sizes(), ")");
+  const int64_t n = k.size(0);
+  for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}}) {
+    check_device(*t, name, q);
+    check_dtype(*t, name, q.scalar_type());
+    check_shape(*t, name, {n, rows, dim});
+    check_last_dim(*t, name);
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 &&
+                          t->stride(0) % FE_SPLIT_DECODE_DIM_MULTIPLE == 0 &&
+                          t->stride(1) % FE_SPLIT_DECODE_DIM_MULTIPLE == 0,
+                      "flexevict._C: ", name, " must have 16-byte aligned rows (strides ",
+                      t->strides(), "); pass .contiguous()");
+  }
+  check_last_dim(q, "q");
+  TORCH_CHECK_VALUE(dim > 0 && dim <= FE_SPLIT_DECODE_MAX_DIM &&
+                        dim % FE_SPLIT_DECODE_DIM_MULTIPLE == 0,
+                    "flexevict._C: split decode attention needs head_dim a multiple of ",
+                    FE_SPLIT_DECODE_DIM_MULTIPLE, " up to ", FE_SPLIT_DECODE_MAX_DIM, " (got ",
+                    dim, ")");
+  TORCH_CHECK_VALUE(group >= 1 && group <= FE_SPLIT_DECODE_MAX_GROUP, "flexevict._C: split "
+                    "decode attention takes 1 to ", FE_SPLIT_DECODE_MAX_GROUP,
+                    " query heads per kv head (got ", group, ")");
+  check_device(valid, "valid", q);
+  check_dtype(valid, "valid", at::kBool);
+  check_shape(valid, "valid", {n, rows});
+  TORCH_CHECK_VALUE(valid.stride(1) == 1 || rows <= 1,
+                    "flexevict._C: valid must be contiguous per slot");
+  TORCH_CHECK_VALUE(splits >= 0, "flexevict._C: splits must be >= 0 (0: automatic; got ", splits,
+                    ")");
+  FeSplitDecode p{};
+  if (score) {
+    check_device(*score, "score", q);
+    check_dtype(*score, "score", at::kFloat);
+    TORCH_CHECK_VALUE(score->dim() == 2 && score->size(0) >= n && score->size(1) == rows &&
+                          (score->stride(1) == 1 || rows <= 1),
+                      "flexevict._C: score must be (>= n, rows) fp32, contiguous per slot (got ",
+                      score->sizes(), ")");
+    p.score = score->data_ptr<float>();
+    p.score_slot = score->stride(0);
+  }
+  if (splits == 0) splits = fe_split_decode_splits(rows, n);
+  c10::DeviceGuard guard(q.device());
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor out = at::empty({rows, group, dim}, q.options());
+  Tensor logits = at::empty({rows, group, n}, f32);       // probabilities in place (heads)
+  Tensor part = at::empty({rows, splits, group, dim + 2}, f32);
+  const bool per_head = heads || group == 1;             // one head: its probabilities are the sum
+  Tensor mass = per_head ? logits : at::empty({rows, 1, n}, f32);
+  p.dtype = dtype;
+  p.rows = rows, p.group = group, p.n = n, p.dim = dim, p.splits = splits;
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr();
+  p.valid = reinterpret_cast<const uint8_t*>(valid.data_ptr<bool>());
+  p.logits = logits.data_ptr<float>(), p.part = part.data_ptr<float>();
+  p.out = out.data_ptr(), p.mass = per_head ? nullptr : mass.data_ptr<float>();
+  p.q_row = q.stride(0), p.q_head = q.stride(1);
+  p.k_slot = k.stride(0), p.k_row = k.stride(1), p.v_slot = v.stride(0), p.v_row = v.stride(1);
+  p.valid_slot = valid.stride(0);
+  p.heads = per_head;
+  p.scale = (float)scale;
+  raise_if(fe_split_decode(&p, as_stream(stream)), "split_decode_attention");
+  return {out, mass};
+}
+
 // -> out (B, H, S, d) in q's dtype, colsum (B, Hk, S) fp32.
 std::tuple<Tensor, Tensor> prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const Tensor& mask, const Tensor& valid,
@@ -620,6 +697,9 @@ pybind11::dict limits() {
   out["cascade_max_kv_heads"] = FE_CASCADE_MAX_KV_HEADS;
   out["page_max_pages"] = FE_PAGE_MAX_PAGES;
   out["page_max_dim"] = FE_PAGE_MAX_DIM;
+  out["split_decode_max_dim"] = FE_SPLIT_DECODE_MAX_DIM;
+  out["split_decode_dim_multiple"] = FE_SPLIT_DECODE_DIM_MULTIPLE;
+  out["split_decode_max_group"] = FE_SPLIT_DECODE_MAX_GROUP;
   return out;
 }
 
@@ -628,6 +708,9 @@ pybind11::dict limits() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flexevict CUDA kernels (see cuda/README.md); use them through flexevict.core.kernels";
   m.def("decode_attention", &decode_attention);
+  m.def("split_decode_attention", &split_decode_attention);
+  m.def("split_decode_splits", &fe_split_decode_splits,
+        "the split count split_decode_attention picks for (rows, n) when given splits 0");
   m.def("prefill_attention", &prefill_attention);
   m.def("select_commit", &select_commit);
   m.def("hash_select", &hash_select);

@@ -26,6 +26,9 @@ enum FeDtype { FE_F32 = 0, FE_F16 = 1, FE_BF16 = 2 };
 #define FE_CASCADE_MAX_KV_HEADS 128          // Cascade: kv heads per sequence
 #define FE_PAGE_MAX_PAGES 4096               // recall's page choice: pages per row
 #define FE_PAGE_MAX_DIM 256                  // recall's page choice: head_dim
+#define FE_SPLIT_DECODE_MAX_DIM 256          // split-slot decode attention: head_dim ...
+#define FE_SPLIT_DECODE_DIM_MULTIPLE 8       // ... a multiple of this (16-byte loads)
+#define FE_SPLIT_DECODE_MAX_GROUP 8          // ... and query heads per kv head
 #define FE_STR_(x) #x
 #define FE_STR(x) FE_STR_(x)                 // a limit's digits, for an error message
 
@@ -68,6 +71,40 @@ struct FePrefillAttention {
   int64_t q_b, q_h, q_s, k_b, k_h, k_s, v_b, v_h, v_s;   // strides (last dim contiguous)
   int64_t m_b, m_q, m_k;                                  // mask strides
   int64_t valid_b;                                        // valid (B, S) batch stride
+  float scale;
+};
+
+// Split-slot decode attention (flash-decoding) of one query token per buffer row (one kv head of
+// one sequence) over slots [0, n), masked by `valid`. Pass 1, one block per (row, split): the
+// split's slots [s * chunk, min((s + 1) * chunk, n)), every query head of the row's group read
+// against one load of each K and V row: logits (rounded to the dtype) into `logits`, and per
+// head the split's max, sum of exponentials and unnormalised output into `part`. Pass 2, one
+// block per (row, split): the merged max M and sum L of each head, this block's share of the
+// output elements sum_s exp(m_s - M) o_s / L, and the probabilities exp(logit - M) / L of the
+// split's slots: written over the logits when `heads`, summed over the group into `mass` (when
+// not null) and added to `score` at valid slots (when not null). Rows with no valid slot get
+// zero output and probabilities.
+// q (rows, group, dim); k, v (n, rows, dim), dim a multiple of 8, 16-byte aligned rows (slot and
+// row strides multiples of 8); valid (n, rows) (row stride 1); logits (rows, group, n) fp32;
+// part (rows, splits, group, dim + 2) fp32 scratch; out (rows, group, dim) contiguous; mass
+// (rows, n) fp32 or null; score (>= n, rows) fp32 (row stride 1) or null.
+struct FeSplitDecode {
+  int dtype;
+  int64_t rows, group, n, dim;
+  int64_t splits;                   // blocks per row; the launcher sets chunk = ceil(n / splits)
+  const void* q;
+  const void* k;
+  const void* v;
+  const uint8_t* valid;
+  float* logits;
+  float* part;
+  void* out;
+  float* mass;
+  float* score;
+  int64_t q_row, q_head;            // strides of q
+  int64_t k_slot, k_row, v_slot, v_row;
+  int64_t valid_slot, score_slot;   // slot strides (row stride 1)
+  int heads;                        // write each head's probabilities over `logits`
   float scale;
 };
 
@@ -203,6 +240,11 @@ const char* fe_decode_attention(const FeDecodeAttention* p, cudaStream_t stream)
 // takes at most FE_SHARED_BYTES).
 int64_t fe_decode_attention_shared_bytes(int64_t group, int64_t dim);
 const char* fe_prefill_attention(const FePrefillAttention* p, cudaStream_t stream);
+// Two launches on `stream`, no host synchronisation, no allocation: capturable in a CUDA graph.
+const char* fe_split_decode(const FeSplitDecode* p, cudaStream_t stream);
+// The split count the launcher picks for `rows` rows of `n` slots (splits 0 asks the binding
+// for it): fixed by the sizes alone, so one CUDA graph replays it.
+int64_t fe_split_decode_splits(int64_t rows, int64_t n);
 const char* fe_select_commit(const FeSelectCommit* p, cudaStream_t stream);
 const char* fe_compact_prompt(const FeCompactPrompt* p, cudaStream_t stream);
 const char* fe_buzz_pass(const FeBuzzPass* p, cudaStream_t stream);

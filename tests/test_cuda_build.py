@@ -89,6 +89,8 @@ def test_extension_links_imports_and_rejects_bad_arguments(built):
     index = torch.zeros(2, dtype=torch.long)
     calls = [   # every binding, called as flexevict.core.kernels calls it (one CPU input each)
         ("q must be a CUDA tensor", lambda: ext.decode_attention(q, k, k, valid, None, 1.0, 0)),
+        ("q must be a CUDA tensor", lambda: ext.split_decode_attention(
+            q, k, k, valid, None, 1.0, 0, True, 0)),
         ("q must be a CUDA tensor", lambda: ext.prefill_attention(
             k[None], k[None], k[None], torch.ones(1, 1, 2, 2, dtype=torch.bool),
             torch.ones(1, 2, dtype=torch.bool), 1.0, 0)),
@@ -115,6 +117,12 @@ def test_extension_links_imports_and_rejects_bad_arguments(built):
     assert ext.limits() == header_limits()
     for g, d in ((1, 64), (8, 128), (32, 256)):     # the launcher's own shared memory count
         assert ext.decode_attention_shared_bytes(g, d) == ((g + 4) * d + 2 * g + 32) * 4
+    # split decode attention's split count: from the sizes alone, enough blocks, <= 1024 slots
+    # per split and >= 64 unless that leaves a single split
+    for rows, n in ((1, 1), (8, 32768), (256, 2048), (768, 819), (1344, 32768), (4, 0)):
+        splits = ext.split_decode_splits(rows, n)
+        assert 1 <= splits <= max(n, 1) and -(-n // splits) <= 1024
+        assert rows * splits >= 2048 or -(-n // splits) <= 64
 
 
 def header_limits() -> dict:
@@ -134,7 +142,9 @@ def test_header_limits_are_the_ones_the_kernels_were_written_for():
     """The parse above reads what the header says (no nvcc needed)."""
     limits = header_limits()
     assert limits["decode_max_dim"] == 256 and limits["shared_bytes"] == 48 * 1024
-    assert limits["lsh_max_dim"] == 48 * 1024 // 4 and len(limits) == 13
+    assert limits["lsh_max_dim"] == 48 * 1024 // 4 and len(limits) == 16
+    assert limits["split_decode_max_dim"] == 256 and limits["split_decode_max_group"] == 8
+    assert limits["split_decode_dim_multiple"] == 8
     assert limits["page_max_pages"] == 4096 and limits["page_max_dim"] == 256
 
 

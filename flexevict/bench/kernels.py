@@ -2,11 +2,19 @@
 reference, at the papers' benchmark shapes.
 
     python -m flexevict.bench.kernels [--device cuda] [--json FILE] [--quick] [--launches N]
-                                      [--loops N]
+                                      [--loops N] [--only PHASES] [--attention-batch B]
 
 Shapes: Cascade's (batch 8, 32 heads, head dim 128, a 2048-slot cache) and H2O's FlexGen
 settings (OPT-6.7B: 32 heads, OPT-30B: 56 heads, head dim 128, 20% of 2048 + 2048 tokens =
 819 slots, batch 24; prompts of 2048). `--quick` is a tiny shape for CI smoke tests.
+
+Decode attention (phase "attention"): the split-slot kernel (`kernels.split_decode_attention`,
+fused score accumulation, per-head probabilities) against what the model runs today, torch's
+decode attention plus the separate score pass (`decode_attention` with the buffer's score), at
+OPT-6.7B (32 heads x 128) and OPT-30B (56 x 128) kv heads over 2k, 8k and 32k slots, and a GQA
+shape (LLaMA-3-8B, 32 query / 8 kv heads, also giving the group's mass alone), batch
+--attention-batch (8). The summary reads each speedup against the target (>= 1.5x). On a CPU
+they run at the quick shape only (the references; the 32k shapes are GPU-sized).
 
 Timing. Every input is built before the clock starts. One timed loop launches an op N times
 back to back; on a GPU a `torch.cuda._sleep` is queued first, so the host has queued all N
@@ -53,6 +61,33 @@ SHAPES = [Shape("cascade (batch 8, 32 heads, 2048 slots)", 8, 32, 128, 2048, 204
           Shape("h2o opt-6.7b (batch 24, 32 heads, 20% of 4096)", 24, 32, 128, 819, 2048),
           Shape("h2o opt-30b (batch 24, 56 heads, 20% of 4096)", 24, 56, 128, 819, 2048)]
 QUICK = [Shape("quick (batch 2, 4 heads, 64 slots)", 2, 4, 16, 64, 96)]
+PHASES = ("decode", "prefill", "quant", "attention")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """A decode attention case: `kv_heads` rows per sequence, heads / kv_heads query heads
+    each, `slots` attended slots (all valid), `batch` sequences (--attention-batch)."""
+    model: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    slots: int
+
+    def name(self, batch: int) -> str:
+        slots = f"{self.slots // 1024}k" if self.slots % 1024 == 0 else str(self.slots)
+        heads = f"{self.heads}" if self.heads == self.kv_heads else \
+            f"{self.heads}/{self.kv_heads}"
+        return f"{self.model} (b {batch}, {heads} x {self.head_dim}, {slots} slots)"
+
+
+ATTENTION_SHAPES = [AttentionShape(model, heads, heads, 128, slots)
+                    for model, heads in (("opt-6.7b", 32), ("opt-30b", 56))
+                    for slots in (2048, 8192, 32768)] + \
+    [AttentionShape("llama-3-8b", 32, 8, 128, 8192)]
+ATTENTION_QUICK = [AttentionShape("quick", 4, 2, 16, 64)]
+ATTENTION_BATCH = 8
+ATTENTION_TARGET = 1.5              # the issue's goal: kernel >= 1.5x torch's attention + scores
 CASCADE_TARGET_MS = 0.05            # the issue's target for the caching operation
 GPU_CLOCK_HZ = 2.0e9                # H100/H200 boost clock: turns host seconds into sleep cycles
 
@@ -248,6 +283,41 @@ def buzz_op(shape: Shape, device, dtype) -> Op:
               lambda: [r() for r in restores], copies=len(bufs))
 
 
+def attention_ops(shape: AttentionShape, batch: int, device, dtype, gen) -> list[Op]:
+    """Decode attention over a full buffer with H2O's fused score accumulation: the kernel path
+    is the split-slot kernel, the reference path torch's decode attention plus the score pass
+    (what the model runs today). Each launch does the same work (the scores only grow)."""
+    rows, g, d = batch * shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim
+    n = shape.slots
+    k = torch.randn(n, rows, d, generator=gen, device=device).to(dtype)
+    v = torch.randn(n, rows, d, generator=gen, device=device).to(dtype)
+    valid = torch.ones(n, rows, dtype=torch.bool, device=device)
+    score = torch.zeros(n, rows, device=device)
+    q = torch.randn(rows, g, d, generator=gen, device=device).to(dtype)
+    scale = d ** -0.5
+    ops = [Op("split decode attention + scores",
+              lambda i: kernels.split_decode_attention(q, k, v, valid, scale, score))]
+    if g > 1:
+        ops.append(Op("split decode attention + scores, mass",
+                      lambda i: kernels.split_decode_attention(q, k, v, valid, scale, score,
+                                                               heads=False)))
+    return ops
+
+
+def run_attention(shape: AttentionShape, batch, device, dtype, launches, loops,
+                  with_kernels) -> list[dict]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for op in attention_ops(shape, batch, device, dtype, gen):
+        timing = both_paths(op, device, launches, loops, with_kernels)
+        rows.append({"shape": shape.name(batch), "phase": "attention", "op": op.name,
+                     "loops": loops, "slots": shape.slots, "batch": batch,
+                     "heads": shape.heads, "kv_heads": shape.kv_heads,
+                     "head_dim": shape.head_dim, **timing})
+        print(format_row(rows[-1]), file=sys.stderr)
+    return rows
+
+
 def prefill_ops(shape: Shape, device, dtype, gen) -> list[Op]:
     """The prefill-time ops (stateless, or writing the same slots again)."""
     b, h, d, s = shape.batch, shape.heads, shape.head_dim, shape.prompt
@@ -283,10 +353,13 @@ def quant_ops(shape: Shape, device, dtype, gen) -> list[Op]:
 
 # ------------------------------------------------------------------------------ main
 
-def run_shape(shape: Shape, device, dtype, launches, loops, with_kernels) -> list[dict]:
+def run_shape(shape: Shape, device, dtype, launches, loops, with_kernels,
+              phases=PHASES) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for group, builder in (("decode", decode_ops), ("prefill", prefill_ops), ("quant", quant_ops)):
+        if group not in phases:
+            continue
         for op in builder(shape, device, dtype, gen):
             n = max(1, launches // 5) if group == "prefill" else launches    # ms-long ops
             timing = both_paths(op, device, n, loops, with_kernels)
@@ -314,6 +387,10 @@ def summary(rows: list[dict]) -> dict:
         if r["op"].startswith("cascade") and r["kernel_ms"] is not None:
             out[f"{r['shape']}: cascade caching op ms (target <= {CASCADE_TARGET_MS})"] = \
                 r["kernel_ms"]
+    for r in rows:
+        if r["phase"] == "attention" and r["speedup"]:
+            out[f"{r['shape']}: {r['op']}: speedup vs torch (target >= {ATTENTION_TARGET})"] = \
+                r["speedup"]
     for shape in {r["shape"] for r in rows}:
         ops = {r["op"]: r for r in rows if r["shape"] == shape}
         att, evict = ops.get("decode_attention + score accumulation"), \
@@ -337,6 +414,10 @@ def main(argv=None) -> int:
                     help="back-to-back launches per timed loop (default 20 on a GPU, 2 on a CPU)")
     ap.add_argument("--loops", type=int, default=None,
                     help="timed loops per op, the median reported (default 5 on a GPU, 3 on a CPU)")
+    ap.add_argument("--only", default=",".join(PHASES),
+                    help=f"comma list of phases to time (default all: {','.join(PHASES)})")
+    ap.add_argument("--attention-batch", type=int, default=ATTENTION_BATCH,
+                    help=f"sequences of the decode attention shapes (default {ATTENTION_BATCH})")
     args = ap.parse_args(argv)
     if args.load:
         return load_only()
@@ -367,6 +448,11 @@ def run(args) -> tuple[dict, torch.device]:
     loops = args.loops if args.loops is not None else (5 if cuda else 3)
     if launches < 1 or loops < 1:
         raise UserError(f"--launches {launches} / --loops {loops}: both must be >= 1")
+    phases = tuple(p for p in args.only.split(",") if p)
+    if not phases or set(phases) - set(PHASES):
+        raise UserError(f"--only {args.only}: a comma list of {', '.join(PHASES)}")
+    if args.attention_batch < 1:
+        raise UserError(f"--attention-batch {args.attention_batch} must be >= 1")
     backend = kernels.backend(device)
     with_kernels = backend == "cuda-kernels"
     note = "kernels vs reference side by side" if with_kernels else (
@@ -376,14 +462,19 @@ def run(args) -> tuple[dict, torch.device]:
     dtype = torch.float16 if cuda else torch.float32
     rows = []
     for shape in (QUICK if args.quick else SHAPES):
-        rows += run_shape(shape, device, dtype, launches, loops, with_kernels)
+        if set(phases) - {"attention"}:
+            rows += run_shape(shape, device, dtype, launches, loops, with_kernels, phases)
+    if "attention" in phases:       # GPU-sized: a CPU times the references at the quick shape
+        batch = 2 if args.quick or not cuda else args.attention_batch
+        for shape in (ATTENTION_QUICK if args.quick or not cuda else ATTENTION_SHAPES):
+            rows += run_attention(shape, batch, device, dtype, launches, loops, with_kernels)
     timing = (f"CUDA events around {launches} back-to-back launches queued behind a device "
               "sleep, per launch, median of loops" if cuda else
               f"perf_counter around {launches} launches, per launch, median of loops")
     return {"benchmark": "kernels", "backend": backend, "kernels_available": with_kernels,
             "note": note, "dtype": str(dtype).replace("torch.", ""), "timing": timing,
             "host_timing": "host wall time per call, no synchronisation (Python dispatch)",
-            "launches": launches, "loops": loops, "results": rows,
+            "launches": launches, "loops": loops, "phases": list(phases), "results": rows,
             "summary": summary(rows)}, device
 
 

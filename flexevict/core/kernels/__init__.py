@@ -24,7 +24,8 @@ from flexevict.core.kernels.reference import (FP32_CODE_BITS, WORD_BITS, Cascade
                                               page_tokens, popcount, reduce_heads)
 
 __all__ = [  # the dispatch functions (kernel or reference) ...
-           "backend", "decode_attention", "prefill_attention", "prefill_attention_scores",
+           "backend", "decode_attention", "split_decode_attention", "prefill_attention",
+           "prefill_attention_scores",
            "evict_commit", "ring_commit",
            "hash_codes", "hash_victims", "compact_prompt", "buzz_pass", "cascade_update",
            "cascade_attention", "cascade_fold",
@@ -99,8 +100,57 @@ def decode_attention_kernel(q, k, v, valid, scale: float, score=None):
                                    score, float(scale), ext.stream(q))
 
 
-def _check_decode_attention(q, k, v, valid, score) -> None:
-    op = "decode_attention"
+def split_decode_attention(q, k, v, valid, scale: float, score=None, heads: bool = True,
+                           splits: int | None = None):
+    """Decode attention at the memory bound: on a GPU the split-slot (flash-decoding) kernel,
+    `cuda/split_decode.cu`; elsewhere, and for shapes it does not take, its reference
+    (`reference.split_decode_attention`, which with splits None is `decode_attention`'s torch
+    ops). Two launches, no host synchronisation, launch shapes fixed by the sizes: it can be
+    captured in a CUDA graph.
+
+    q (R, g, d); k, v (n, R, d) of q's dtype; valid (n, R) bool (empty slots, a filling
+    buffer's span past the new token, padding: every mask the buffer has); score (>= n, R) fp32
+    or None: each valid slot gains its probability summed over the g query heads (H2O's
+    accumulation, fused) -> out (R, g, d) in q's dtype and probs fp32: (R, g, n) per query head
+    when `heads` (`decode_attention`'s contract), else (R, 1, n), each slot's probability mass
+    summed over its kv head's query heads: `kv_head_probs` reads the same (n, R) scores from
+    either (a caller that reads g off probs.shape[1] needs `heads`). A row with no valid slot
+    gets zeros.
+
+    splits: blocks per row (None: the kernel picks from (R, n) alone; the reference then runs
+    unsplit). The kernel takes head dims that are multiples of 8 up to 256 (64, 96, 128, 256),
+    g <= 8, fp32/fp16/bf16, K and V rows 16-byte aligned (a buffer's, or a view of its rows).
+    """
+    _check_decode_attention(q, k, v, valid, score, "split_decode_attention")
+    if splits is not None and (not isinstance(splits, int) or splits < 1):
+        _fail("split_decode_attention", f"splits must be an int >= 1 or None (got {splits!r})")
+    module = ext.module_for(q)
+    if module is None or not _split_decode_fits(module, q, k, v, score):
+        return reference.split_decode_attention(q, k, v, valid, scale, score, heads, splits)
+    if valid.shape[1] > 1 and valid.stride(1) != 1:
+        valid = valid.contiguous()
+    return module.split_decode_attention(_lastdim(q), k, v, valid, score, float(scale),
+                                         splits or 0, bool(heads), ext.stream(q))
+
+
+def _split_decode_fits(module, q, k, v, score) -> bool:
+    """The split decode kernel takes these tensors: head dim, group and the alignment of K and
+    V rows it loads 16 bytes at a time (host-side facts: no synchronisation)."""
+    rows, g, d = q.shape
+    lim = ext.limits(module)
+    if "split_decode_max_group" not in lim:        # an extension built before the kernel
+        return False
+    if not (1 <= g <= lim["split_decode_max_group"] and 0 < d <= lim["split_decode_max_dim"]
+            and d % lim["split_decode_dim_multiple"] == 0):
+        return False
+    if score is not None and rows > 1 and score.stride(1) != 1:
+        return False
+    step = lim["split_decode_dim_multiple"]
+    return all(t.stride(2) == 1 and t.stride(0) % step == 0 and t.stride(1) % step == 0
+               and t.data_ptr() % 16 == 0 for t in (k, v))
+
+
+def _check_decode_attention(q, k, v, valid, score, op: str = "decode_attention") -> None:
     _expect(op, "q", q, (None, None, None), FLOATS)
     rows, g, d = q.shape
     _expect(op, "k", k, (None, rows, d), q.dtype, q.device)

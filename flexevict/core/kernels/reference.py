@@ -57,6 +57,68 @@ def decode_attention(q, k, v, valid, scale: float, score=None):
     return out, p
 
 
+def split_decode_attention(q, k, v, valid, scale: float, score=None, heads: bool = True,
+                           splits: int | None = None):
+    """Decode attention as the split-slot (flash-decoding) kernel computes it: the specification
+    of `cuda/split_decode.cu` and its CPU path.
+
+    q (R, g, d); k, v (n, R, d); valid (n, R) bool; score (>= n, R) or None: its first n slots
+    gain each valid slot's probability summed over the group -> out (R, g, d) in q's dtype and
+    probs: (R, g, n) per query head when `heads`, else (R, 1, n), each slot's probability mass
+    summed over the g query heads of its kv head (what `kv_head_probs` reads either way); fp32
+    (fp64 for fp64 inputs). Masked slots get 0 and a row with no valid slot zeros throughout.
+
+    splits None: `decode_attention` (torch's batched GEMMs and one softmax, the fast path on a
+    CPU). splits s >= 1: the kernel's algorithm. Slots [0, n) fall into s splits of
+    ceil(n / s) slots (the last ones shorter, or empty); per split and query head, the logits'
+    max m_s (-inf when the split holds no valid slot), l_s = sum exp(logit - m_s) and
+    o_s = sum exp(logit - m_s) v; merged, M = max_s m_s, L = sum_s exp(m_s - M) l_s,
+    out = sum_s exp(m_s - M) o_s / L and p = exp(logit - M) / L. Logits are q . k in the
+    accumulation dtype times scale, rounded to q's dtype (as the kernel and `decode_attention`'s
+    matmul in that dtype round them); the rest in fp32 (fp64 for fp64 inputs); V at masked
+    slots is never used (the kernel never reads it).
+    """
+    if splits is None:
+        out, p = decode_attention(q, k, v, valid, scale, score)
+        return out, (p if heads else p.sum(1, keepdim=True))
+    if splits < 1:
+        raise ValueError(f"split_decode_attention: splits must be >= 1 or None (got {splits})")
+    rows, g, d = q.shape
+    n = k.shape[0]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    chunk = -(-n // splits) if n else 1
+    width = splits * chunk                                          # >= n: padded with masked
+    live = F.pad(valid.t(), (0, width - n), value=False)            # (R, width)
+    logits = torch.bmm(q.to(acc), k.to(acc).permute(1, 2, 0)) * scale   # (R, g, n)
+    logits = F.pad(logits.to(q.dtype).to(acc), (0, width - n))
+    logits = logits.masked_fill(~live.unsqueeze(1), float("-inf")).view(rows, g, splits, chunk)
+    vals = torch.where(valid.t().unsqueeze(-1), v.transpose(0, 1).to(acc), 0.0)
+    vals = F.pad(vals, (0, 0, 0, width - n)).view(rows, splits, chunk, d)
+    # pass 1: each split's max, sum of exponentials and unnormalised output, per head
+    m = logits.amax(dim=-1)                                         # (R, g, splits)
+    e = torch.exp(logits - _finite(m).unsqueeze(-1))                # masked: exp(-inf) = 0
+    sums = e.sum(dim=-1)
+    o = torch.einsum("rgsc,rscd->rgsd", e, vals)
+    # pass 2: merged max and sum, the output, the probabilities
+    big_m = m.amax(dim=-1)                                          # (R, g)
+    w = torch.exp(m - _finite(big_m).unsqueeze(-1))                 # empty split: 0
+    big_l = (w * sums).sum(dim=-1)
+    alive = (big_l > 0).unsqueeze(-1)
+    norm = torch.where(alive, big_l.unsqueeze(-1), 1.0)
+    out = torch.where(alive, (w.unsqueeze(-1) * o).sum(dim=2) / norm, 0.0)
+    logits = logits.view(rows, g, width)[..., :n]
+    p = torch.where(alive, torch.exp(logits - _finite(big_m).unsqueeze(-1)) / norm, 0.0)
+    mass = p.sum(dim=1, keepdim=True)                               # (R, 1, n)
+    if score is not None:
+        score[:n] += torch.where(valid, mass[:, 0].t(), 0.0).to(score.dtype)
+    return out.to(q.dtype), (p if heads else mass)
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """x with -inf (the max of nothing) as 0: exp(-inf - 0) = 0, never exp(-inf + inf)."""
+    return torch.where(x == float("-inf"), 0.0, x)
+
+
 def prefill_attention(q, k, v, mask, valid, scale: float, block: int = 256, fold=None):
     """Prefill attention that also returns each key's attention received (H2O's column sums),
     computed over query blocks so the S x S matrix is never materialised whole.
