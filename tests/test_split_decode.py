@@ -412,3 +412,22 @@ def test_splits_follow_the_sizes_alone(built):
     for rows, n in [(1, 1), (8, 32768), (768, 819), (1344, 32768), (4, 0)]:
         s = built.split_decode_splits(rows, n)
         assert 1 <= s <= max(1, n)
+
+
+def test_the_kernel_benchmark_times_decode_attention_alone(tmp_path):
+    """`python -m flexevict.bench.kernels --only attention`: the kernel (on a GPU) against
+    torch's decode attention with the score pass; on a CPU the references at a tiny shape."""
+    import json
+
+    from flexevict.bench import kernels as bench
+    out = tmp_path / "attention.json"
+    assert bench.main(["--device", "cpu", "--only", "attention", "--launches", "1", "--loops",
+                       "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["phases"] == ["attention"] and {row["phase"] for row in r["results"]} == {"attention"}
+    assert [row["op"] for row in r["results"]] == ["split decode attention + scores",
+                                                   "split decode attention + scores, mass"]
+    assert all(row["kernel_ms"] is None and row["reference_ms"] > 0 for row in r["results"])
+    assert [s.model for s in bench.ATTENTION_SHAPES[:6]] == ["opt-6.7b"] * 3 + ["opt-30b"] * 3
+    assert [s.slots for s in bench.ATTENTION_SHAPES[:3]] == [2048, 8192, 32768]
+    assert {(s.heads, s.head_dim) for s in bench.ATTENTION_SHAPES[:6]} == {(32, 128), (56, 128)}
