@@ -57,7 +57,8 @@ def parse_args(argv=None):
     add_model_args(sweep, threads=1)   # a small model's decode step is per-op-overhead bound
     add_sweep_args(sweep)
     for sp in (ppl, agree, passkey, sweep):
-        sp.add_argument("--json", action="store_true", help="print one JSON object")
+        sp.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout (progress stays on stderr)")
     return p.parse_args(argv)
 
 
@@ -94,9 +95,9 @@ def run_ppl(args) -> dict:
     if args.max_tokens is not None and args.max_tokens < 2:
         raise UserError(f"--max-tokens must be >= 2 (got {args.max_tokens})")
     spec = policy_spec(args)
-    llm = load_llm(args, progress=not args.json)
+    llm = load_llm(args, progress=True)
     result = llm.score(text, max_tokens=args.max_tokens, policy=spec,
-                       prefill_tokens=args.prefill_tokens, progress=not args.json)
+                       prefill_tokens=args.prefill_tokens, progress=True)
     if args.max_tokens is not None and result["tokens"] < args.max_tokens:
         print(f"note: {args.text} has {result['tokens']} tokens, fewer than --max-tokens "
               f"{args.max_tokens}: scored all {result['tokens']}", file=sys.stderr)
@@ -108,13 +109,13 @@ def run_agreement(args) -> dict:
     rows = read_jsonl_prompts(args.input)
     spec = policy_spec(args)
     check_prompts(args, rows, args.max_new_tokens, args.input)
-    llm = load_llm(args, progress=not args.json)
+    llm = load_llm(args, progress=True)
     prompts = [r["prompt"] for r in rows]
     # exactly max_new_tokens each (no stop tokens) so both runs are compared step for step
     ref = llm.generate(prompts, args.max_new_tokens, policy=PolicySpec("full"),
-                       batch_size=args.batch_size, stop_ids=(), progress=not args.json)
+                       batch_size=args.batch_size, stop_ids=(), progress=True)
     out = llm.generate(prompts, args.max_new_tokens, policy=spec, batch_size=args.batch_size,
-                       stop_ids=(), progress=not args.json)
+                       stop_ids=(), progress=True)
     resolved = distinct(o["resolved"] for o in out)
     print_resolved(resolved)
     scores = compare(out, ref)
@@ -137,7 +138,7 @@ def run_passkey(args) -> dict:
     depths = parse_fractions(args.depths, "--depths")
     text = read_text(args.text) if args.text else None
     spec = policy_spec(args)
-    llm = load_llm(args, progress=not args.json)
+    llm = load_llm(args, progress=True)
     task = Passkey(llm, text, length=args.length, depths=depths, repeats=1, seed=args.seed)
     result = task.run(llm, spec)
     print_resolved([{"slots": result["slots"]}])
@@ -179,7 +180,7 @@ def run_sweep_cli(args) -> dict:
     from flexevict.evaluation import sweep_report as report
     from flexevict.evaluation.sweep import build_tasks, load_results, run_sweep, select
     names, task_args, policies, budgets, text = sweep_inputs(args)
-    llm = load_llm(args, progress=not args.json)
+    llm = load_llm(args, progress=True)
     tasks = build_tasks(names, llm, text, args.quick, task_args)
     model = model_key(args, llm)
     if args.report:

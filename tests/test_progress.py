@@ -93,6 +93,8 @@ def test_the_python_api_reports_when_asked(every_update, tiny_dir):  # noqa: F81
 def test_eval_agreement_reports_every_step(every_update, tmp_path, tiny_dir):  # noqa: F811
     write_rows(tmp_path / "in.jsonl", [{"id": 1, "prompt": "abcabc"}, {"id": 2, "prompt": "xy"}])
     proc = run("eval", "agreement", "--model", tiny_dir, "--policy", "h2o", "--budget", "0.5",
-               "--input", str(tmp_path / "in.jsonl"), "--max-new-tokens", "6", "--threads", "1")
+               "--input", str(tmp_path / "in.jsonl"), "--max-new-tokens", "6", "--threads", "1",
+               "--json")
     assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["prompts"] == 2                 # stdout: the JSON alone
     assert len(lines_of(proc.stderr, "generating")) >= 2 * 6       # reference and policy runs
