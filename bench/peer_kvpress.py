@@ -23,11 +23,14 @@ differ by design: kvpress keeps every generated token, flexevict evicts one per 
 - snapkv: `snapkv window=W kernel=K` / `SnapKVPress(window_size=W, kernel_size=K)`, for the
   paper's (32, 7) and kvpress's defaults (64, 5)
 
+and, flexevict alone (kvpress has no such press), `keydiff block=B window=--keydiff-window`:
+what protecting the newest tokens from KeyDiff's per-step eviction does to the NLL.
+
 Writes OUT.md (the tables) and OUT.json (every number). Setting up the peer's venv:
 
-    python3 -m venv /work/kvpress-venv
-    /work/kvpress-venv/bin/pip install torch==2.13.0       # the CPU wheel first
-    /work/kvpress-venv/bin/pip install kvpress==0.5.5 gguf
+    python3 -m venv ~/kvpress-venv
+    ~/kvpress-venv/bin/pip install torch==2.13.0           # the CPU wheel first
+    ~/kvpress-venv/bin/pip install kvpress==0.5.5 gguf
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ from flexevict.runtime.machine import run_metadata  # noqa: E402
 
 # the peer's side: run with kvpress's Python, in a folder outside this tree
 DRIVER = r'''
-import contextlib, json, os, sys
+import contextlib, importlib.metadata, json, os, sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -97,8 +100,8 @@ def run(press):
 
 
 full_keys, full_logits = run(None)
-result = {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else None,
-          "torch": torch.__version__, "cases": {}}
+result = {name: importlib.metadata.version(name) for name in ("kvpress", "transformers", "torch")}
+result["cases"] = {}
 saved = {"full": full_logits}
 for case in spec["cases"]:
     keys, logits = run(make(case))
@@ -218,6 +221,10 @@ def table(rows: list[dict], args) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["compare"]
+        if c is None:                                  # flexevict alone
+            lines.append(f"| {r['name'].split('@')[0]} (flexevict only) | {r['kept']} | – | – | "
+                         f"– | {r['nll_flexevict']:.4f} | – | {r['nll_full']:.4f} |")
+            continue
         lines.append(f"| {r['name'].split('@')[0]} | {r['kept']} | {c['identical_heads']}/"
                      f"{c['heads']} | {c['tokens_swapped']} | {r['step1_logits_max_abs_diff']:.2e}"
                      f" | {r['nll_flexevict']:.4f} | {r['nll_kvpress']:.4f} | "
@@ -228,7 +235,8 @@ def table(rows: list[dict], args) -> str:
               "step).", "", "Command:", "",
               f"    python bench/peer_kvpress.py --kvpress-python KVPRESS_PYTHON --prompt-len "
               f"{args.prompt_len} --targets {args.targets} --offset {args.offset} --block "
-              f"{args.block} " + " ".join(f"--kept {k}" for k in args.kept)
+              f"{args.block} --keydiff-window {args.keydiff_window} "
+              + " ".join(f"--kept {k}" for k in args.kept)
               + f" --out {args.out}"]
     return "\n".join(lines)
 
@@ -243,6 +251,8 @@ def main(argv=None):
     ap.add_argument("--kept", type=int, action="append", default=None,
                     help="tokens kept after the prefill; repeat (default 96, 128, 256)")
     ap.add_argument("--block", type=int, default=128, help="KeyDiff's block size")
+    ap.add_argument("--keydiff-window", type=int, default=32,
+                    help="flexevict's keydiff with this protected window too (0: not run)")
     ap.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.md, .json")
     args = ap.parse_args(argv)
     args.kept = args.kept or [96, 128, 256]
@@ -270,7 +280,16 @@ def main(argv=None):
                          "nll_kvpress": nll(theirs, targets, 1), "nll_full": nll(full, targets, 1),
                          "full_logits_max_abs_diff": float((full - peer_logits["full"]).abs()
                                                            .max())})
-        data = {"args": vars(args), "run": run_metadata("cpu"),
+        for kept in args.kept if args.keydiff_window else ():
+            kw = {"block": args.block, "window": args.keydiff_window}
+            _, logits = flexevict_run(llm, ids, targets,
+                                      get_policy("keydiff", budget_tokens=kept + 1, **kw))
+            rows.append({"name": f"keydiff-block{args.block}-window{args.keydiff_window}@{kept}",
+                         "kept": kept, "policy": "keydiff", "arguments": kw, "compare": None,
+                         "nll_flexevict": nll(logits, targets, 1),
+                         "nll_full": nll(full, targets, 1)})
+        data = {"args": {**vars(args), "kvpress_python": "KVPRESS_PYTHON"},
+                "run": run_metadata("cpu"),
                 "peer": {k: v for k, v in peer.items() if k != "cases"}, "rows": rows}
         write_report(args.out, table(rows, args), data)
         if any(math.isnan(r["nll_flexevict"]) for r in rows):

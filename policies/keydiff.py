@@ -6,8 +6,8 @@ unchecked against a copy of the paper).
 Rule: no attention weights. A cache of N keys is kept; when more arrive, the anchor is the mean
 of the L2-normalised keys present (the cache and the newcomers), each key is scored by its
 negative cosine similarity to the anchor, and the N highest scores stay: the keys most similar
-to the anchor (the least distinctive) go. Every key competes; the paper keeps no sinks and no
-protected recent window in this rule.
+to the anchor (the least distinctive) go. Every key competes; the paper's anchor rule keeps no
+sinks and no protected recent window (`window=0`, the default, as kvpress's KeyDiffPress).
 
 Decisions where the paper is silent or the engine differs:
 - N = the committed slots (`slots - 1`). Decode: once the buffer is full, each new token is
@@ -25,8 +25,12 @@ Decisions where the paper is silent or the engine differs:
   block-wise (as in kvpress). `block=0` scores the whole prompt at once, one anchor over every
   prompt key (kvpress's plain `KeyDiffPress`).
 - Scores are per (sequence, kv head): keys are per kv head, so GQA needs no reduction.
-- Not built: the paper's variants beyond the anchor rule (pairwise similarity; a protected
-  sliding window).
+- `window=W` (not the anchor rule's default): the W newest tokens (the one being decoded
+  included; the prompt's last W) are never evicted; the anchor is still taken over every key
+  present. Decode evicts one token per step, and with no protected window the rule often drops
+  a token just generated (policies/README.md#keydiff measures what that costs).
+  Resolved to at most `slots - 2`, so at least two tokens compete.
+- Not built: the paper's variants beyond the anchor rule (pairwise similarity).
 
 Notes: policies/README.md#keydiff
 """
@@ -57,6 +61,7 @@ def anchor_similarity(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class KeyDiff(Policy):
     block: int = 128
+    window: int = 0
     name = "keydiff"
     graph_safe = True
     stacks = True
@@ -67,22 +72,35 @@ class KeyDiff(Policy):
         if self.block < 0:
             raise UserError(f"{setting('policy_args')} block={self.block}: must be >= 0 (0 "
                             "scores the whole prompt at once)")
+        if self.window < 0:
+            raise UserError(f"{setting('policy_args')} window={self.window}: must be >= 0 (the "
+                            "newest tokens never evicted; 0: none)")
+
+    def protected(self, capacity: int) -> int:
+        """The newest tokens never evicted with `capacity` committed slots (`window`, leaving at
+        least two tokens to compete)."""
+        return max(0, min(self.window, capacity - 1))
 
     # ------------------------------------------------------------------ prompt
     def prompt_keep(self, k, valid, n: int) -> torch.Tensor:
         """Which of a left-aligned prompt's tokens stay: k (S, R, d), valid (S, R) with each
         row's real tokens first -> (n, R) indices in position order."""
         s = k.shape[0]
+        first_protected = valid.sum(0) - self.protected(n)          # (R,) the last `window`
+
+        def scored(idx, ok, keys):
+            score = torch.where(ok, -anchor_similarity(keys, ok), float("-inf"))
+            return score.masked_fill(ok & (idx >= first_protected), float("inf"))
+
         if self.block == 0 or self.block >= s - n:          # one block: one anchor over all
-            return top_rows(torch.where(valid, -anchor_similarity(k, valid), float("-inf")), n)
+            idx = torch.arange(s, device=k.device).unsqueeze(1)
+            return top_rows(scored(idx, valid, k), n)
         kept = torch.arange(n, device=k.device).unsqueeze(1).expand(n, k.shape[1])
         for i in range(n, s, self.block):
             joining = torch.arange(i, min(i + self.block, s), device=k.device)
             cand = torch.cat([kept, joining.unsqueeze(1).expand(-1, k.shape[1])])
             kc = k.gather(0, cand.unsqueeze(-1).expand(-1, -1, k.shape[-1]))
-            vc = valid.gather(0, cand)
-            score = torch.where(vc, -anchor_similarity(kc, vc), float("-inf"))
-            kept = cand.gather(0, top_rows(score, n))
+            kept = cand.gather(0, top_rows(scored(cand, valid.gather(0, cand), kc), n))
         return kept.sort(dim=0).values
 
     def prefill(self, buf, k, v, pos, valid, scores=None):
@@ -98,9 +116,12 @@ class KeyDiff(Policy):
         if not buf.layout.evicts or slot != buf.scratch:
             return buf.commit_appended(slot)
         n = buf.scratch + 1                  # every committed key and the new one compete
-        similarity = anchor_similarity(buf.k[:n], buf.valid[:n])
+        value = -anchor_similarity(buf.k[:n], buf.valid[:n])
+        w = self.protected(buf.capacity)
+        if w:                                # the `window` newest stay
+            value = value.masked_fill(buf.pos[:n] > buf.pos[buf.scratch] - w, float("inf"))
         # the lowest value goes: the key most similar to the anchor (a scratch victim drops it)
-        kernels.evict_commit(buf, n, cursor=False, value=-similarity, commit="replace")
+        kernels.evict_commit(buf, n, cursor=False, value=value, commit="replace")
 
 
 def top_rows(score: torch.Tensor, n: int) -> torch.Tensor:

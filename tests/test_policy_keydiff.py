@@ -59,6 +59,18 @@ def test_evicts_the_key_most_similar_to_the_anchor():
     assert kept(buf) == [0, 3, 4] and not buf.valid[buf.scratch].any()
 
 
+def test_a_window_protects_the_newest_tokens():
+    """The same steps with window=1: the new key on the anchor's direction now stays, and the
+    most similar of the others goes (cosines .861, -.542, .945 | new 1.0 -> position 3)."""
+    policy, buf = setup([[[1, 0]], [[0, 1]], [[1, 1]]], budget_tokens=4, window=1)
+    step(policy, buf, [[1, 0.2]], [3])
+    step(policy, buf, [[-1, 0.5]], [4])
+    assert kept(buf) == [0, 3, 4]                        # as without a window
+    unit = F.normalize(torch.tensor([[1.0, 0.0], [-1, 0.5], [1, 0.2]]), dim=-1).sum(0)
+    step(policy, buf, [unit.tolist()], [5])
+    assert kept(buf) == [0, 4, 5]
+
+
 def test_ties_evict_the_oldest_and_rows_are_independent():
     # row 0: unit keys (1,0), (0,1), (0,1), new (-1,0): anchor (0, .5): cosines 0, 1, 1, 0 ->
     # the tie between positions 1 and 2 drops the older; row 1: its own anchor and victim
@@ -85,34 +97,39 @@ def test_similarity_is_the_papers_score():
 
 # ------------------------------------------------------------------ the prompt
 
-def _direct_oneshot(k, n):
-    """Top n of a row's prompt keys by -cos to the anchor of all of them, in order."""
+def _direct_oneshot(k, n, w=0):
+    """The last w of a row's prompt tokens, and the top n - w of the others by -cos to the
+    anchor of all of them, in order."""
+    s = k.shape[0]
     score = -F.cosine_similarity(k, F.normalize(k, dim=-1).mean(0, keepdim=True), dim=-1)
-    return sorted(score.topk(n).indices.tolist())
+    return sorted(score[:s - w].topk(n - w).indices.tolist() + list(range(s - w, s)))
 
 
-def _direct_blocks(k, n, block):
+def _direct_blocks(k, n, block, w=0):
     """The paper's block-wise processing, one row, in plain Python: the first n stay, then
-    each block joins and the n best (by -cos to the anchor of the n + block) stay."""
-    keep = list(range(n))
-    for i in range(n, k.shape[0], block):
-        cand = keep + list(range(i, min(i + block, k.shape[0])))
+    each block joins and the n best (by -cos to the anchor of the n + block; the prompt's last
+    w always) stay."""
+    keep, s = list(range(n)), k.shape[0]
+    for i in range(n, s, block):
+        cand = keep + list(range(i, min(i + block, s)))
         kc = k[cand]
         score = -F.cosine_similarity(kc, F.normalize(kc, dim=-1).mean(0, keepdim=True), dim=-1)
+        score[[j for j, x in enumerate(cand) if x >= s - w]] = float("inf")
         keep = sorted(cand[j] for j in score.topk(n).indices.tolist())
     return keep
 
 
+@pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("block", [0, 1, 3, 5, 100])
-def test_prompt_selection_equals_the_direct_computation(block):
+def test_prompt_selection_equals_the_direct_computation(block, window):
     torch.manual_seed(block)
     k = torch.randn(23, 2, 6)
-    policy, buf = setup(k, budget_tokens=9, rows=2, block=block)        # 8 kept
+    policy, buf = setup(k, budget_tokens=9, rows=2, block=block, window=window)   # 8 kept
     for r in range(2):
-        want = (_direct_oneshot(k[:, r], 8) if block in (0, 100) else
-                _direct_blocks(k[:, r], 8, block))
+        want = (_direct_oneshot(k[:, r], 8, window) if block in (0, 100) else
+                _direct_blocks(k[:, r], 8, block, window))
         assert kept(buf, r) == want
-    if block == 3:                                                    # blocks change the set
+    if block == 3 and window == 0:                                    # blocks change the set
         assert any(kept(buf, r) != _direct_oneshot(k[:, r], 8) for r in range(2))
 
 
@@ -130,12 +147,13 @@ def test_left_padding_selects_what_the_row_selects_alone():
 
 # ------------------------------------------------------------------ through the model
 
-@pytest.mark.parametrize("block", [0, 8])
-def test_every_eviction_drops_the_key_most_similar_to_the_anchor(monkeypatch, block):
+@pytest.mark.parametrize("block,window", [(0, 0), (8, 0), (8, 4)])
+def test_every_eviction_drops_the_key_most_similar_to_the_anchor(monkeypatch, block, window):
     """Brute force at every full step of every layer: the token that left is the one whose key
-    has the highest cosine to the mean unit key of the keys present (the new one included)."""
+    has the highest cosine to the mean unit key of the keys present (the new one included),
+    among those older than the `window` newest."""
     model = model_for("llama-gqa")
-    policy = get_policy("keydiff", budget=0.3, block=block)
+    policy = get_policy("keydiff", budget=0.3, block=block, window=window)
     monkeypatch.setattr(E.Engine, "stack_layers", False)    # each layer commits on its own
     real = type(policy).commit
     seen = {"steps": 0, "new_dropped": 0}
@@ -155,12 +173,14 @@ def test_every_eviction_drops_the_key_most_similar_to_the_anchor(monkeypatch, bl
             order = sorted(keys)
             kr = torch.stack([keys[p] for p in order])
             cos = F.cosine_similarity(kr, F.normalize(kr, dim=-1).mean(0, keepdim=True), dim=-1)
-            assert cos[order.index(gone)] >= cos.max() - 1e-6
+            cands = cos[:len(order) - window]
+            assert gone in order[:len(order) - window]
+            assert cos[order.index(gone)] >= cands.max() - 1e-6
             seen["new_dropped"] += gone == order[-1]
 
     monkeypatch.setattr(type(policy), "commit", commit)
     generate(model, rand_prompts([60, 47], seed=2), 30, policy, Sampling(), (), 0)
-    assert seen["steps"] > 0 and seen["new_dropped"] > 0
+    assert seen["steps"] > 0 and (seen["new_dropped"] > 0) == (window == 0)
 
 
 def test_flags():
@@ -168,13 +188,16 @@ def test_flags():
     assert policy.graph_safe and policy.stacks and not policy.needs_prompt_scores
     assert policy.fields(policy.layout(40, 10)) == ()                 # no declared state
     assert policy.describe(policy.layout(40, 10)) == {"policy": "keydiff", "slots": 25,
-                                                      "block": 128}
+                                                      "block": 128, "window": 0}
+    assert get_policy("keydiff", window=3).protected(3) == 2         # two tokens still compete
 
 
 def test_bad_input():
     with pytest.raises(UserError, match="block=-1"):
         get_policy("keydiff", budget=0.2, block=-1)
+    with pytest.raises(UserError, match="window=-1"):
+        get_policy("keydiff", budget=0.2, window=-1)
     with pytest.raises(UserError, match="unknown policy_args"):
-        get_policy("keydiff", budget=0.2, window=4)
+        get_policy("keydiff", budget=0.2, sinks=4)
     with pytest.raises(UserError, match="minimum of 2"):
         get_policy("keydiff", budget_tokens=1).layout(20, 10)
