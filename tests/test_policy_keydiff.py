@@ -10,7 +10,7 @@ import flexevict.runtime.engine as E
 from flexevict.core.kv import KVBuffer
 from flexevict.errors import UserError
 from flexevict.policies import get_policy
-from flexevict.policies.keydiff import anchor_similarity
+from flexevict.policies.keydiff import anchor_affinity, anchor_similarity
 from flexevict.runtime.generation import Sampling, generate
 
 from tiny import kept, model_for, rand_prompts
@@ -93,6 +93,9 @@ def test_similarity_is_the_papers_score():
         kr = k[valid[:, r], r]
         anchor = F.normalize(kr, dim=-1).mean(0, keepdim=True)
         torch.testing.assert_close(got[valid[:, r], r], F.cosine_similarity(kr, anchor, dim=-1))
+    # the decode step's form: the cosine times the norm of the summed unit keys (same order)
+    scale = torch.stack([F.normalize(k[valid[:, r], r], dim=-1).sum(0).norm() for r in range(3)])
+    torch.testing.assert_close(anchor_affinity(k, valid), got * scale * valid)
 
 
 # ------------------------------------------------------------------ the prompt
