@@ -177,7 +177,19 @@ def suite_placement_cpu():
                    ("100 0 100 0 100 0", 8, 1), extra + ["--predict"], policy=pol)
               for pol in [("full",)] + [(name, 0.2) for name in SEED_POLICIES]
               + [("recall", 0.1)]]
+    # long prompts, where prefill attention (S^2) is most of the run and a decode step attends
+    # thousands of slots: full, h2o at 20% and recall at 10% at 4k tokens (batch 4) and at the
+    # model's 8192 positions (batch 2: the same tokens)
+    cases += [case(f"smollm2-135m-{prompt}-{'-'.join(map(str, pol))}", "smollm2-135m",
+                   (prompt, gen), ("100 0 100 0 100 0", batch, 1), extra + ["--predict"],
+                   policy=pol)
+              for prompt, gen, batch in LONG_PROMPTS
+              for pol in (("full",), ("h2o", 0.2), ("recall", 0.1))]
     return cases
+
+
+# (prompt, gen, batch) of the placement suite's long-prompt cases
+LONG_PROMPTS = ((4096, 32, 4), (8176, 16, 2))
 
 
 def suite_recall():

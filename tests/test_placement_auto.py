@@ -610,7 +610,7 @@ def test_a_machine_busy_with_other_work_gets_a_quick_calibration(monkeypatch, tm
     assert asked == [quick, quick] and cal.quick == quick
     assert cal.data["host"]["busy_cores"] == busy
     said = [ln for ln in lines if "cores busy" in ln]
-    assert len(said) == quick and all(f"{busy:.1f} of" in ln and "--recalibrate" in ln
+    assert len(said) == quick and all(f"{busy:.1f} of" in ln and "quiet machine" in ln
                                       for ln in said)
 
 

@@ -17,8 +17,9 @@ rate is meant to be a memory or link rate):
   shapes (weight bytes/s, streaming more weights than the caches hold, and re-reading a layer
   that fits the last-level cache); the cost of preparing a streamed weight for compute (the
   oneDNN reorder the engine does per use on a CPU, by layer size); element-wise memory
-  bandwidth; 4-bit quantize/dequantize; decode attention per cached slot; causal prefill
-  attention and H2O's prompt column sums (flop/s); a one-layer probe's prefill halves (the
+  bandwidth; 4-bit quantize/dequantize; decode attention per cached slot (K and V from memory,
+  not from a cache that holds them); causal prefill attention and H2O's prompt column sums
+  (flop/s at several prompt lengths: the rate grows with S); a one-layer probe's prefill halves (the
   element-wise work besides matmuls and attention); and the fixed cost of each
   schedule-layer cell and of each lane job, from the real engine on a tiny model (a small
   model's step is mostly this).
@@ -34,7 +35,9 @@ repeats: the short measurements run in ROUNDS (3) rounds spread over the calibra
 their medians, the long ones the median of their own repeats; about 30 s on a quiet 2-core CPU,
 `--quick` a few seconds. A first calibration on a machine whose cores other work keeps busy
 (`other_work_cores`, from /proc/stat) is a quick one: it measures the machine as it is then,
-in about twice a quiet calibration's time rather than ten times.
+in about twice a quiet calibration's time rather than ten times. A quick one is marked as such
+and serves until a command that needs a calibration finds the machine quiet, which measures a
+full one (`load`). A quick one measures fewer rounds, repeats and sizes, not smaller shapes.
 
 Everything is measured at one torch thread per core, plus how much longer a compute-bound and
 a memory-bound piece of work take on one thread (`measure_thread_scaling`) and the engine's fixed
@@ -49,6 +52,7 @@ written then), e.g. one written with --out or --synthetic.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import inspect
@@ -217,18 +221,18 @@ def load(device: torch.device, threads: int | None = None, offload_dir: str | No
         return read_file(path, threads)
     key = machine_key(device)
     where = cache_path(key)
-    data = None if recalibrate else _read_cache(key)
+    data, busy = (None, None) if recalibrate else _reusable(_read_cache(key), quick, where, log)
     if data is not None:
         return Calibration(data, where, threads=threads)
     log(f"calibrating this machine (once, for every --threads; cached in {where})",
         file=sys.stderr)
     t0 = time.perf_counter()
-    busy = other_work_cores()
+    busy = other_work_cores() if busy is None else busy
     if not quick and busy >= BUSY_CORES:
         quick = True
         log(f"calibrating: other work keeps about {busy:.1f} of this machine's cores busy: a "
-            "quick calibration, which measures it as it is now (`python -m flexevict.calibrate "
-            "--recalibrate` on a quiet machine measures it fully)", file=sys.stderr)
+            "quick calibration, which measures it as it is now (the next command that needs a "
+            "calibration on a quiet machine measures it fully)", file=sys.stderr)
     steps = Steps(planned(device, quick), log)
     with _threads(_cores()):
         machine = measure_machine(device, offload_dir, quick, steps)
@@ -240,6 +244,32 @@ def load(device: torch.device, threads: int | None = None, offload_dir: str | No
     cal.save()
     log(f"calibrated in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return cal
+
+
+def _reusable(data: dict | None, quick: bool, where: str, log) -> tuple[dict | None, float | None]:
+    """The cached calibration `data` if `load` may use it as it is -> (data or None to measure
+    again, the other work's cores when it looked). Measured again: one whose prefill attention
+    was timed at a single short prompt (made before `attention_rate`), and a quick one where a
+    full one is asked for and the machine is quiet now (a quick one is made while other work
+    keeps cores busy: it serves, said as such, until a command that needs a calibration finds
+    the machine quiet)."""
+    if data is None:
+        return None, None
+    if any("prefill_attn" not in d for d in data.get("devices", {}).values()):
+        log(f"calibrating: the cached calibration {where} timed prefill attention at one short "
+            "prompt only: measuring again", file=sys.stderr)
+        return None, None
+    if not data.get("quick") or quick:
+        return data, None
+    busy = other_work_cores()
+    if busy < BUSY_CORES:
+        log(f"calibrating: the cached calibration {where} is a quick one and this machine is "
+            "quiet now: measuring it fully, once", file=sys.stderr)
+        return None, busy
+    log(f"calibration: the quick one, {where} (other work keeps about {busy:.1f} cores busy "
+        "now; the next command that needs a calibration on a quiet machine measures a full "
+        "one)", file=sys.stderr)
+    return data, busy
 
 
 def cached(device: torch.device, threads: int | None = None) -> Calibration | None:
@@ -599,6 +629,9 @@ def for_threads(section: dict, host: dict, threads: int | None) -> dict:
         out.update({k: section[k] / factors.get(kind, 1.0) for k in rates if k in section})
     attn = section["attn_decode"]
     out["attn_decode"] = {**attn, "per_unit_s": attn["per_unit_s"] * fm}
+    if "prefill_attn" in section:            # prefill attention by prompt length: compute
+        out["prefill_attn"] = {k: [[s, rate / fc] for s, rate in table]
+                               for k, table in section["prefill_attn"].items()}
     out["probe"] = {arch: {**p, "attn_s": p["attn_s"] * fc, "mlp_s": p["mlp_s"] * fc}
                     for arch, p in section["probe"].items()}
     n, t = host["threads"], min(max(threads, 1), host["threads"])
@@ -706,10 +739,10 @@ def measure_matmul(device, dtype, quick: bool) -> dict:
     from flexevict.core.model import onednn_usable
     prep, apply = _linear_op(device, dtype, onednn_usable(device, dtype))
     gpu = device.type == "cuda"
-    m, k = (4096, 4096) if gpu else ((256, 1024) if quick else (512, 2048))
+    m, k = (4096, 4096) if gpu else (512, 2048)     # quick: the same shape, fewer repeats
     w = prep(torch.randn(k, k, device=device, dtype=dtype))
     x = torch.randn(m, k, device=device, dtype=dtype)
-    gemm = 2 * m * k * k / best_time(lambda: apply(x, w), device)
+    gemm = 2 * m * k * k / best_time(lambda: apply(x, w), device, 3 if quick else 5)
     n_out, n_in = (8192, 4096) if gpu else (3072, 768)
     total = (512 if gpu else (32 if quick else 128)) * MB
     elem = torch.empty((), dtype=dtype).element_size()
@@ -798,39 +831,113 @@ def measure_quant(device, dtype, quick: bool) -> dict:
             "dequant_bw": nbytes / best_time(lambda: dequantize_4bit(p), device, 3)}
 
 
-# (batch, heads, tokens) of the prefill-attention measurement: on a GPU a shape that keeps it
-# busy (at 2 x 8 x 512 an H200 measured 9 TFLOP/s of launch overhead, and the cost model,
-# scaling that rate to a 32k prompt, predicted the prefill 20x too slow)
-PREFILL_ATTENTION = {False: (2, 8, 512), True: (4, 32, 2048)}
+# Prefill attention is timed at several prompt lengths S, each as (query heads, tokens) of one
+# sequence with two query heads per kv head: its rate grows with S (the per-row work of a blocked
+# kernel and its launch are spread over more keys: on one thread of the 2-core CPU, beside other
+# work, SDPA ran 22 GFLOP/s at 128 tokens, 34 at 512, 48 at 2048, 55-61 at 4096), so one rate taken
+# at a short prompt and scaled by S^2 prices a long prompt too slow (a quick calibration's rate at
+# 128 tokens put a 6144-token prefill at 33x its time). The cost model reads the rate at the run's S
+# (`attention_rate`). Heads: enough work per shape to time (about 2 GFLOP at the long ones), at
+# least 2 (one per core). On a GPU one shape that keeps it busy (at 2 x 8 x 512 an H200 measured 9
+# TFLOP/s of launch overhead, and the cost model, scaling that rate to a 32k prompt, predicted the
+# prefill 20x too slow). A quick calibration measures fewer lengths with fewer repeats, up to 2048
+# tokens: a long prompt's rate is measured, not a launch-bound one's.
+PREFILL_LENGTHS = {"cpu": (128, 512, 2048, 4096), "cpu-quick": (128, 2048),
+                   "cuda": (2048,), "cuda-quick": (2048,)}
+PREFILL_GPU_HEADS = 128             # 4 sequences x 32 heads, as one batch of 128 heads
+PREFILL_FLOPS = 2e9                 # per CPU shape: heads = this / (2 S^2 d), within [2, 16]
+
+
+def prefill_heads(device, s: int, d: int = 64) -> int:
+    """Query heads (one sequence) the prefill-attention measurement at S = s tokens runs."""
+    if torch.device(device).type == "cuda":
+        return PREFILL_GPU_HEADS
+    return 2 * min(max(round(PREFILL_FLOPS / (2 * s * s * d) / 2), 1), 8)
+
+
+# Decode attention is timed at DECODE_SLOTS cached slots of K and V that come from memory, as in a
+# run, where the rest of the model (a layer's weights, the other layers' caches) passes through the
+# last-level cache between two reads of a layer's cache: one buffer timed over and over sat in the
+# cache (a CPU with a 300 MB L3, beside other work: 350 ps a unit against 460-480 from memory, and a
+# long context's decode step was priced a third too fast). Distinct K and V buffers in a ring of
+# twice the last-level cache (at least 64 MB, at most DECODE_RING_MAX), at most DECODE_RING_CALLS of
+# them. A quick calibration times fewer lengths, the same longest one.
+DECODE_SLOTS = {False: (64, 512, 2048), True: (64, 2048)}
+DECODE_RING_MAX = 512 * MB
+DECODE_RING_CALLS = 128
+
+
+def decode_ring_bytes(device) -> int:
+    return min(max(2 * last_level_cache(torch.device(device)), 64 * MB), DECODE_RING_MAX)
 
 
 def measure_attention(device, dtype, quick: bool) -> dict:
     """Decode attention (fixed + per slot x row x (g + 2) x d), and the flop/s of causal prefill
-    attention (2 B H S^2 d flops) on SDPA and on the pass that also collects the prompt's
-    column sums (`kernels.prefill_attention_scores`, what a policy that ranks the prompt runs
-    instead)."""
+    attention (2 H S^2 d flops) at each of PREFILL_LENGTHS, on SDPA and on the pass that also
+    collects the prompt's column sums (`kernels.prefill_attention_scores`, what a policy that
+    ranks the prompt runs instead): "prefill_attn": {"sdpa": [[S, flop/s], ...], "scored":
+    ...}; "sdpa_flops" and "scored_attn_flops" are the rates at the longest S."""
     from flexevict.core import kernels
     from flexevict.core.model import causal_attention
     r, g, d = 32, 4, 64
     units, times = [], []
-    for n in (64, 256) if quick else (64, 512, 2048):
+    ring = torch.empty(decode_ring_bytes(device) // torch.empty((), dtype=dtype).element_size(),
+                       device=device, dtype=dtype).fill_(0.01)
+    for n in DECODE_SLOTS[quick]:
         q = torch.randn(r, g, d, device=device, dtype=dtype)
-        k = torch.randn(n, r, d, device=device, dtype=dtype)
+        size = n * r * d
+        pairs = [(ring[2 * i * size:(2 * i + 1) * size].view(n, r, d),
+                  ring[(2 * i + 1) * size:(2 * i + 2) * size].view(n, r, d))
+                 for i in range(min(max(ring.numel() // (2 * size), 1), DECODE_RING_CALLS))]
         valid = torch.ones(n, r, dtype=torch.bool, device=device)
         score = torch.zeros(n, r, device=device)
-        times.append(best_time(lambda: kernels.decode_attention(q, k, k, valid, 0.1, score),
-                               device))
+        times.append(best_time(lambda: [kernels.decode_attention(q, k, v, valid, 0.1, score)
+                                        for k, v in pairs], device, 3) / len(pairs))
         units.append(n * r * (g + 2) * d)
+    pairs = ring = None             # not held while prefill attention is timed
     fixed, per_unit = _fit(units, times)
-    b, h, s = (1, 8, 128) if quick else PREFILL_ATTENTION[device.type == "cuda"]
-    q = torch.randn(b, h, s, d, device=device, dtype=dtype)
-    flops = 2 * b * h * s * s * d
-    sdpa = flops / best_time(lambda: causal_attention(q, q, q, None), device, 3)
-    valid = torch.ones(b, s, dtype=torch.bool, device=device)
-    scored = flops / best_time(lambda: kernels.prefill_attention_scores(q, q, q, valid, 0.1),
-                               device, 3)
-    return {"attn_decode": {"fixed_s": fixed, "per_unit_s": per_unit}, "sdpa_flops": sdpa,
-            "scored_attn_flops": scored}
+    table = {"sdpa": [], "scored": []}
+    kind = device.type + ("-quick" if quick else "")
+    for s in PREFILL_LENGTHS[kind]:
+        h = prefill_heads(device, s, d)
+        q = torch.randn(1, h, s, d, device=device, dtype=dtype)
+        kv = torch.randn(1, h // 2, s, d, device=device, dtype=dtype)
+        valid = torch.ones(1, s, dtype=torch.bool, device=device)
+        flops = 2 * h * s * s * d
+        repeats = 2 if quick or s >= 2048 else 3
+        table["sdpa"].append([s, flops / best_time(
+            lambda: causal_attention(q, kv, kv, None), device, repeats)])
+        table["scored"].append([s, flops / best_time(
+            lambda: kernels.prefill_attention_scores(q, kv, kv, valid, 0.1), device, repeats)])
+    return {"attn_decode": {"fixed_s": fixed, "per_unit_s": per_unit},
+            "prefill_attn": table, "sdpa_flops": table["sdpa"][-1][1],
+            "scored_attn_flops": table["scored"][-1][1]}
+
+
+PREFILL_RATE_CAP = 2.0      # beyond the longest S measured, a rate at most this x its rate there
+
+
+def attention_rate(section: dict, scored: bool, s: int) -> float:
+    """Flop/s of causal prefill attention over an s-token prompt (`scored`: the pass that also
+    collects the prompt's column sums), from a compute section's rates by prompt length
+    (`measure_attention`). Between two measured lengths, and beyond the ends, the time per flop
+    follows a + b / S through the nearest two (a kernel's time a S^2 + b S: work per pair of
+    tokens, and per query row), never falling with S, and beyond the longest at most
+    PREFILL_RATE_CAP x its rate there. A section without the table (a file made before it, a
+    synthetic one): its one rate."""
+    table = (section.get("prefill_attn") or {}).get("scored" if scored else "sdpa")
+    if not table:
+        return section["scored_attn_flops" if scored else "sdpa_flops"]
+    if len(table) == 1:
+        return table[0][1]
+    xs = [row[0] for row in table]
+    j = min(max(bisect.bisect_left(xs, s), 1), len(table) - 1)
+    (s0, r0), (s1, r1) = table[j - 1], table[j]
+    slope = max((1 / r0 - 1 / r1) / (1 / s0 - 1 / s1), 0.0)      # per-flop time against 1/S
+    per_flop = 1 / r1 + slope * (1 / s - 1 / s1)
+    if s > s1:
+        per_flop = max(per_flop, 1 / (PREFILL_RATE_CAP * r1))
+    return 1 / per_flop
 
 
 # ---------------------------------------------------------------------------- fixed costs
@@ -1033,7 +1140,7 @@ def measure_policy(spec, device, dtype, quick: bool) -> dict:
     fused score accumulation included) fixed + per (slot x row); prefill (compaction of a
     prompt twice the buffer) fixed + per (prompt token x row)."""
     rows, d, g = 16, 64, 2
-    caps = (32, 128) if quick else (64, 512)
+    caps = (64, 512)          # quick too (fewer steps): a long cache's hooks are priced by them
     dec, pre = [], []
     for cap in caps:
         dec.append(_policy_decode(spec, device, dtype, rows, d, g, cap, quick))

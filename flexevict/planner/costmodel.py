@@ -54,8 +54,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexevict.runtime.memory import MemoryPlan, stage_weights
 from flexevict.core.model import LINEAR_WEIGHTS
+from flexevict.planner.calibration import attention_rate
+from flexevict.runtime.memory import MemoryPlan, stage_weights
 
 # Element-wise passes per half layer, without a calibration probe: over (tokens x hidden) in the
 # attention half (norm, RoPE, reshapes, residual), over (tokens x (hidden + ffn)) in the MLP half
@@ -294,7 +295,7 @@ class CostModel:
             for name, (n, k) in ((nm, sh) for nm, sh in stage if len(sh) == 2)
             if name in LINEAR_WEIGHTS)
         hook = self.cal.policy(PolicySpec("full"), self.device, self.dtype)["prefill"]
-        attn = 2 * b * c.num_heads * s * s * c.dim_head / d["sdpa_flops"] + \
+        attn = 2 * b * c.num_heads * s * s * c.dim_head / attention_rate(d, False, s) + \
             hook["fixed_s"] + hook["per_token_row_s"] * s * b * c.num_kv_heads
         one = m * e / d["mem_bw"]
         self._passes_fit = {
@@ -359,7 +360,7 @@ class CostModel:
         if i == 0:
             d = self.dev
             flops = 2 * b * h * self.P * self.P * dh
-            t = flops / d["scored_attn_flops" if self.ranks_prompt else "sdpa_flops"]
+            t = flops / attention_rate(d, self.ranks_prompt, self.P)     # the rate at P
             hook = self.hooks["prefill"]
             return t + hook["fixed_s"] + hook["per_token_row_s"] * self.P * rows
         on_cpu = self.cuda and work == "cpu"

@@ -364,7 +364,7 @@ def report(plan: Plan, top: int = 5, alternatives: bool = True) -> list[str]:
     lines = [f"placement: {flags(e.placement)}",
              f"predicted: {e.throughput:.3f} token/s total (batch {e.n}: prefill {e.prefill_s:.3f}"
              f" s, decode step {e.step_s:.4f} s, total {e.total_s:.3f} s: "
-             f"{wall_time(e.total_s)})",
+             f"{wall_time(e.total_s)})" + (f", from {_caveat(m.cal)}" if _caveat(m.cal) else ""),
              f"memory: {memory_line(e, m.device, plan.limits.baseline)}",
              f"bound: {bound_line(e)}"]
     nb = next_best(plan) if alternatives else None
@@ -395,7 +395,14 @@ def infeasible_line(model: CostModel, request: PlacementRequest, limits: Limits,
     """One line: the binding resource, and the smallest change that fits (`smallest_fit`), else
     the memory it would take."""
     fit = smallest_fit(model, request, limits)
-    return f"{infeasible_head(err)}; {fit_line(fit) if fit else no_fit_line(err)}"
+    basis = _caveat(model.cal)
+    return f"{infeasible_head(err)}; {fit_line(fit, basis) if fit else no_fit_line(err)}"
+
+
+def _caveat(cal) -> str:
+    """What a prediction from `cal` says it rests on where that is a quick calibration (it
+    measured less: its predictions are rougher); '' otherwise (the header names the rest)."""
+    return f"the quick calibration {cal.path}" if cal.quick else ""
 
 
 def infeasible_head(err: Infeasible) -> str:
