@@ -481,11 +481,14 @@ def load_llm(args, progress: bool = True):
     from flexevict.api import LLM, resolve_device, resolve_model
     from flexevict.core.config import DTYPES, default_dtype
     from flexevict.planner.search import Workload
+    from flexevict.policies import PolicySpec
     config, _ = resolve_model(args.model, args.path)
     device = resolve_device(args.device)
     prompt, gen = EVAL_LENGTHS
-    work = Workload(config, min(prompt, config.max_positions // 2), gen, policy_spec(args),
-                    device, DTYPES[args.dtype or default_dtype(device)])
+    # a sweep's --policy-arg belong to its labelled policies: it is timed as `full`
+    spec = PolicySpec("full") if getattr(args, "task", None) == "sweep" else policy_spec(args)
+    work = Workload(config, min(prompt, config.max_positions // 2), gen, spec, device,
+                    DTYPES[args.dtype or default_dtype(device)])
     choose_threads(args, work)
     note_unused_limits(args, device)
     return LLM(args.model, path=args.path, device=args.device, dtype=args.dtype,
