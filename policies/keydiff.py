@@ -21,9 +21,10 @@ Decisions where the paper is silent or the engine differs:
   the cosine times a per-row constant, the same order); the prompt by the cosine itself, as
   kvpress computes it. Keys are the cached ones: after RoPE for LLaMA, as the paper's and
   kvpress's caches hold them.
-- Prompt longer than the buffer: `block=B` (default 128) replays the paper's block-wise prompt
-  processing on the prompt's keys: the first N tokens fill the cache, then each block of B
-  tokens joins and the N best of the N + B stay (kvpress's `BlockPress(KeyDiffPress, B)`).
+- Prompt longer than the buffer: `block=B` (default 128, kvpress's `BlockPress` default; the
+  paper's own block size is not checked here) replays the paper's block-wise prompt processing
+  on the prompt's keys: the first N tokens fill the cache, then each block of B tokens joins
+  and the N best of the N + B stay (kvpress's `BlockPress(KeyDiffPress, B)`).
   The prefill attention itself is the engine's full causal pass, so only the kept set is
   block-wise (as in kvpress). `block=0` scores the whole prompt at once, one anchor over every
   prompt key (kvpress's plain `KeyDiffPress`).
