@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+import time
 
 from common import run_engine
 
@@ -32,9 +33,11 @@ AUTO_VS_HAND = 0.95        # auto's measured throughput vs the best hand-written
 
 
 def run_placement_suite(cases: list[dict], out: str, repeats: int = 5,
-                        compare: str | None = None) -> list[dict]:
+                        compare: str | None = None, quiet_load: float | None = None
+                        ) -> list[dict]:
     """Run the cases (module docstring); compare: another calibration file to predict every
-    case with, side by side with the one the runs used."""
+    case with, side by side with the one the runs used; quiet_load: start each run only once
+    the 1-minute load average is below it (a shared machine), and record it before and after."""
     if repeats < 1:
         raise SystemExit("--repeat must be >= 1")
     folder = os.path.join(out, "cases")
@@ -44,11 +47,14 @@ def run_placement_suite(cases: list[dict], out: str, repeats: int = 5,
     for r in range(repeats):
         for c in cases:
             path = os.path.join(scratch, f"{c['name']}.{r}.json")
+            before = wait_quiet(quiet_load)
             res = run_engine(c, path)
+            res["load_average"] = [before, os.getloadavg()[0]]
             runs[c["name"]].append((res, path))
             tput = res.get("total_throughput")
             print(f"[placement round {r + 1}/{repeats}] {c['name']}: "
-                  + (f"{tput:.2f} token/s" if tput else res.get("error", "?")),
+                  + (f"{tput:.2f} token/s" if tput else res.get("error", "?"))
+                  + f" (load {before:.2f} -> {os.getloadavg()[0]:.2f})",
                   file=sys.stderr, flush=True)
     rows = []
     for c in cases:
@@ -61,6 +67,7 @@ def run_placement_suite(cases: list[dict], out: str, repeats: int = 5,
             median = runs[c["name"]][0][0]
         rows.append(row(c, median, [res.get("total_throughput") for res, _ in runs[c["name"]]],
                         compare))
+        rows[-1]["load_average"] = [res.get("load_average") for res, _ in runs[c["name"]]]
     shutil.rmtree(scratch)
     budget = budget_rows()
     text = tables(rows, budget, repeats)
@@ -71,6 +78,14 @@ def run_placement_suite(cases: list[dict], out: str, repeats: int = 5,
                    "cases": rows, "budget": budget, "table": text}, f, indent=1)
     print(text)
     return rows
+
+
+def wait_quiet(below: float | None, poll_s: float = 10.0) -> float:
+    """Wait until the 1-minute load average is below `below` (None: no wait) -> the load
+    average when the run starts."""
+    while below is not None and os.getloadavg()[0] >= below:
+        time.sleep(poll_s)
+    return os.getloadavg()[0]
 
 
 def row(c: dict, r: dict, totals: list, compare: str | None = None) -> dict:

@@ -352,6 +352,9 @@ def main(argv=None):
     ap.add_argument("--compare-calibration", default=None, metavar="FILE",
                     help="placement-cpu: also predict every case with this calibration file, "
                          "side by side with the one the runs used")
+    ap.add_argument("--quiet-load", type=float, default=None, metavar="L",
+                    help="placement-cpu: start each run once the 1-minute load average is "
+                         "below L (a shared machine); the load before and after is recorded")
     args = ap.parse_args(argv)
     with cli_errors("bench/suites.py"):
         if args.max_minutes is not None and args.max_minutes <= 0:
@@ -364,7 +367,7 @@ def main(argv=None):
             return
         if args.suite == "placement-cpu":
             return run_placement_suite(select(args), args.out or PLACEMENT_RESULTS, args.repeat,
-                                       args.compare_calibration)
+                                       args.compare_calibration, args.quiet_load)
         rows, left = run_suite(args.suite, select(args), args.out or RESULTS, args.json,
                                args.max_minutes)
     if left:

@@ -282,3 +282,48 @@ def test_a_plans_prediction_from_a_quick_calibration_says_so():
                             if ln.startswith("predicted:"))
     assert lines[True].endswith(", from the quick calibration /cache/calibration.json")
     assert "quick" not in lines[False]
+
+
+# ------------------------------------------------------------------------------ element-wise work
+
+def test_element_wise_passes_follow_the_probe_at_a_long_prefill():
+    """With the probe at a long prefill too, a prefill of as many tokens is priced by its
+    passes, a short one by the short probe's, and one in between in between; decode steps (a
+    few tokens) by the short probe's; without it, the short probe's everywhere."""
+    from flexevict.core.config import REGISTRY
+    config = REGISTRY["smollm2-135m"]
+    data = _with_table()
+    cpu = data["devices"]["cpu:float32"]
+    short = cpu["probe"]["llama"]
+    tokens = 32 * 256
+    cpu["probe_long"] = {arch: {**p, "batch": 32, "prompt": 256,
+                                "attn_s": p["attn_s"] * tokens / 256 * 3,
+                                "mlp_s": p["mlp_s"] * tokens / 256 * 3}
+                         for arch, p in cpu["probe"].items()}
+    cal = calibration.Calibration(data, None, measure_ok=False)
+    m = CostModel(config, cal, torch.device("cpu"), torch.float32, 4096, 4, PolicySpec("full"))
+    at = {n: m._fitted_passes(n) for n in (1, 4, 256, 1024, tokens, 16384)}
+    assert at[1] == at[4] == at[256] and at[tokens] == at[16384]
+    assert all(at[256][k] < at[1024][k] < at[tokens][k] for k in ("attn", "mlp"))
+    del data["devices"]["cpu:float32"]["probe_long"]
+    plain = CostModel(config, calibration.Calibration(data, None, measure_ok=False),
+                      torch.device("cpu"), torch.float32, 4096, 4, PolicySpec("full"))
+    assert plain._fitted_passes(16384) == plain._fitted_passes(4) == at[4]
+    assert short["batch"] * short["prompt"] == 256
+
+
+def test_decode_attention_scales_with_threads_by_its_own_measurement():
+    """A run on one thread prices decode attention by the "attention" kind of the thread
+    scaling where the calibration measured it, by "memory" (a weight stream) where not."""
+    data = _fixture()
+    data["host"]["threads"] = 2
+    cpu = data["devices"]["cpu:float32"]
+    cpu["overhead_one_thread"] = cpu["overhead"]
+    base = cpu["attn_decode"]["per_unit_s"]
+    for scaling, factor in (({"compute": 1.5, "memory": 1.3, "elementwise": 1.2}, 1.3),
+                            ({"compute": 1.5, "memory": 1.3, "elementwise": 1.2,
+                              "attention": 1.9}, 1.9)):
+        cpu["thread_scaling"] = scaling
+        one = calibration.Calibration(data, None, measure_ok=False, threads=1).device(
+            torch.device("cpu"), torch.float32)
+        assert one["attn_decode"]["per_unit_s"] == pytest.approx(base * factor)

@@ -32,8 +32,8 @@ rate is meant to be a memory or link rate):
 
 On a machine shared with other work a disturbance lasts seconds, longer than one measurement's
 repeats: the short measurements run in ROUNDS (3) rounds spread over the calibration and keep
-their medians, the long ones the median of their own repeats; about 30 s on a quiet 2-core CPU,
-`--quick` a few seconds. A first calibration on a machine whose cores other work keeps busy
+their medians, the long ones the median of their own repeats; 30-35 s on a quiet 2-core CPU,
+`--quick` about 10 s. A first calibration on a machine whose cores other work keeps busy
 (`other_work_cores`, from /proc/stat) is a quick one: it measures the machine as it is then,
 in about twice a quiet calibration's time rather than ten times. A quick one is marked as such
 and serves until a command that needs a calibration finds the machine quiet, which measures a
@@ -327,7 +327,7 @@ def planned(device: torch.device, quick: bool) -> int:
 def device_steps(kind: str, quick: bool) -> int:
     """Steps of `measure_device` on a device of `kind`: one per round, 2 long ones, and on a
     CPU the engine probe and (with more than one thread) the fixed costs on one thread."""
-    cpu = 0 if kind == "cuda" else 1 + (_cores() > 1)
+    cpu = 0 if kind == "cuda" else 2 + (_cores() > 1)
     return (1 if quick else ROUNDS) + 2 + cpu
 
 
@@ -368,11 +368,13 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def best_time(fn, device="cpu", repeats: int = 5, median: bool = False) -> float:
-    """Seconds of fn(): the best of `repeats` after one warm-up call (on a shared machine the
-    best is the least disturbed), or their median (for work that a run does over and over,
-    like streaming weights, whose typical time is what the engine sees)."""
-    fn()
+def best_time(fn, device="cpu", repeats: int = 5, median: bool = False,
+              warm: bool = True) -> float:
+    """Seconds of fn(): the best of `repeats` after one warm-up call (unless not `warm`; on a
+    shared machine the best is the least disturbed), or their median (for work that a run
+    does over and over, like streaming weights, whose typical time is what the engine sees)."""
+    if warm:
+        fn()
     _sync(device)
     times = []
     for _ in range(repeats):
@@ -400,7 +402,7 @@ def measure_machine(device: torch.device, offload_dir: str | None, quick: bool,
     measured at torch's current thread count; step(what) is called before each of its 4
     steps."""
     step("host-device copies")
-    links = measure_links(device, (32 if quick else 256) * MB)
+    links = measure_links(device, 256 * MB)          # quick too: larger than the caches
     step("disk writes and reads")
     disk = measure_disk(offload_dir or tempfile.gettempdir(), (32 if quick else 128) * MB)
     gpu_gb = torch.cuda.get_device_properties(device).total_memory / (1 << 30) \
@@ -528,7 +530,7 @@ def measure_parallel(quick: bool) -> float:
 
     def work():
         with _threads(1):
-            for _ in range(40 if quick else 200):
+            for _ in range(200):                  # quick too: thread start-up is not work
                 x @ x
     one = best_time(work, repeats=3)
 
@@ -559,7 +561,12 @@ def measure_thread_scaling(quick: bool) -> dict:
     """How much longer work takes on one torch thread than on the current count (one per
     core), t1 / tN in [1, N] of: "compute", a prefill-shaped matrix product; "memory", a
     decode-shaped stream of weights larger than the caches; "elementwise", a copy larger than
-    the caches. One thread, then N, back to back: a busy machine slows both. One sample per
+    the caches; "attention", decode attention over 2048 slots of K and V from memory (it
+    scales unlike a weight stream: 1.9x against 1.7x on the 2-core CPU); "sdpa" and "scored",
+    prefill attention at SCALING_PREFILL tokens on SDPA and on the scored pass (SDPA gained
+    1.45x from a second thread where a product gained 1.98x: scaled as a product, a 4096-token
+    prefill's attention was priced 36% slow on one thread). One thread, then N,
+    back to back: a busy machine slows both. One sample per
     round of `measure_device`, which keeps the median: a disturbance of a second or two that
     hits the N-thread half looks like no scaling at all."""
     from flexevict.core.model import onednn_usable
@@ -568,21 +575,38 @@ def measure_thread_scaling(quick: bool) -> dict:
         return dict.fromkeys(SCALING, 1.0)
     cpu = torch.device("cpu")
     prep, apply = _linear_op(cpu, torch.float32, onednn_usable(cpu, torch.float32))
-    m, k = (256, 1024) if quick else (512, 2048)
+    m, k = 512, 2048            # quick too: the shapes of a full calibration, fewer rounds
     x, w = torch.randn(m, k), prep(torch.randn(k, k))
     # the engine's path: a plain x @ w.T at 4 rows runs on one thread whatever the count
-    ws = [prep(torch.randn(3072, 768)) for _ in range(4 if quick else 12)]     # 9 MB each
+    ws = [prep(torch.randn(3072, 768)) for _ in range(12)]     # 9 MB each
     v = torch.randn(4, 768)
-    a = torch.ones((8 if quick else 32) * MB // 4)
+    a = torch.ones(32 * MB // 4)
     b = torch.empty_like(a)
+    attend = _decode_ring(cpu, torch.float32, 2048)
+    sdpa, scored = _prefill_attention(cpu, torch.float32, SCALING_PREFILL)
     work = {"compute": lambda: apply(x, w), "memory": lambda: [apply(v, u) for u in ws],
-            "elementwise": lambda: b.copy_(a)}
+            "elementwise": lambda: b.copy_(a), "attention": attend, "sdpa": sdpa,
+            "scored": scored}
     out = {}
     for name, fn in work.items():
         with _threads(1):
-            one = best_time(fn, repeats=2)
-        out[name] = min(max(one / best_time(fn, repeats=2), 1.0), float(n))
+            fn()                                            # warm-up at each count
+        fn()
+        ones, alls = [], []
+        for _ in range(SCALING_REPEATS if name in SCALING_SHORT else 2):    # alternating
+            with _threads(1):
+                ones.append(best_time(fn, repeats=1, warm=False))
+            alls.append(best_time(fn, repeats=1, warm=False))
+        out[name] = min(max(min(ones) / min(alls), 1.0), float(n))
     return out
+
+
+# one-thread and all-thread samples per kind and round: the best of each (on a shared 2-core
+# machine a 2-thread sample is the one another process disturbs, and with 2 samples the compute
+# ratio came out 1.32, 1.56 and 1.95 in three calibrations of the same quiet-ish machine)
+SCALING_REPEATS = 4
+SCALING_SHORT = ("compute", "memory", "elementwise")      # the kinds of a few ms: 4 samples
+SCALING_PREFILL = 2048
 
 
 def _thread_factors(scaling: dict | None, n: int, threads: int | None) -> dict:
@@ -605,9 +629,14 @@ def _thread_factors(scaling: dict | None, n: int, threads: int | None) -> dict:
 # attention, "elementwise" a CPU-only machine's links). Not the weight preparation table: a
 # streamed layer's reorder is bound by faulting in fresh pages, and measure_prepare gives the
 # same rates on one thread as on two.
-SCALING = {"compute": ("gemm_flops", "sdpa_flops", "scored_attn_flops"),
+SCALING = {"compute": ("gemm_flops",),
            "memory": ("gemv_bw", "gemv_hot_bw"),
-           "elementwise": ("mem_bw", "quant_bw", "dequant_bw")}
+           "elementwise": ("mem_bw", "quant_bw", "dequant_bw"),
+           "attention": (),            # decode attention's time per unit (`for_threads`)
+           "sdpa": ("sdpa_flops",),    # and the prefill attention tables, by their kinds
+           "scored": ("scored_attn_flops",)}
+# a kind a calibration did not measure (made before it) scales as this one
+SCALING_FALLBACK = {"attention": "memory", "sdpa": "compute", "scored": "compute"}
 
 
 def for_threads(section: dict, host: dict, threads: int | None) -> dict:
@@ -623,17 +652,21 @@ def for_threads(section: dict, host: dict, threads: int | None) -> dict:
     factors = _thread_factors(section.get("thread_scaling"), host.get("threads", 1), threads)
     if set(factors.values()) == {1.0} or "overhead_one_thread" not in section:
         return section
-    fc, fm = factors["compute"], factors["memory"]
+    factors |= {kind: factors[instead] for kind, instead in SCALING_FALLBACK.items()
+                if kind not in section["thread_scaling"]}
+    fc = factors["compute"]
     out = dict(section)
     for kind, rates in SCALING.items():
-        out.update({k: section[k] / factors.get(kind, 1.0) for k in rates if k in section})
+        out.update({k: section[k] / factors[kind] for k in rates if k in section})
     attn = section["attn_decode"]
-    out["attn_decode"] = {**attn, "per_unit_s": attn["per_unit_s"] * fm}
-    if "prefill_attn" in section:            # prefill attention by prompt length: compute
-        out["prefill_attn"] = {k: [[s, rate / fc] for s, rate in table]
+    out["attn_decode"] = {**attn, "per_unit_s": attn["per_unit_s"] * factors["attention"]}
+    if "prefill_attn" in section:            # prefill attention by prompt length
+        out["prefill_attn"] = {k: [[s, rate / factors[k]] for s, rate in table]
                                for k, table in section["prefill_attn"].items()}
-    out["probe"] = {arch: {**p, "attn_s": p["attn_s"] * fc, "mlp_s": p["mlp_s"] * fc}
-                    for arch, p in section["probe"].items()}
+    for probe in ("probe", "probe_long"):
+        if probe in section:
+            out[probe] = {arch: {**p, "attn_s": p["attn_s"] * fc, "mlp_s": p["mlp_s"] * fc}
+                          for arch, p in section[probe].items()}
     n, t = host["threads"], min(max(threads, 1), host["threads"])
     out["overhead"] = _between(section["overhead_one_thread"], section["overhead"],
                                (t - 1) / (n - 1))
@@ -675,6 +708,10 @@ def measure_device(device: torch.device, dtype: torch.dtype, quick: bool, step=_
     if device.type == "cpu" and torch.get_num_threads() > 1:
         long.append(("per-layer fixed costs on one thread", "overhead_one_thread",
                      overheads_on_one_thread))
+    if device.type == "cpu":      # on a GPU the probe is this large already (PROBE_GPU)
+        long.append(("a layer at a long prefill", "probe_long",
+                     lambda: {arch: measure_probe(arch, device, dtype, quick, PROBE_LONG)
+                              for arch in ARCHS}))
     if device.type == "cpu":      # on a GPU a model this small is launch-bound
         long.append(("the engine on a small model", "engine_probe",
                      lambda: {arch: measure_engine_probe(arch, device, dtype, quick)
@@ -698,7 +735,7 @@ def _short_measurements(device, dtype, quick: bool) -> dict:
     out = measure_matmul(device, dtype, quick)
     if device.type == "cpu":
         out["thread_scaling"] = measure_thread_scaling(quick)
-    out["mem_bw"] = measure_mem_bw(device, (32 if quick else 256) * MB)
+    out["mem_bw"] = measure_mem_bw(device, 256 * MB)     # quick too: more than the caches
     out.update(measure_quant(device, dtype, quick))
     out.update(measure_attention(device, dtype, quick))
     out["probe"] = {arch: measure_probe(arch, device, dtype, quick) for arch in ARCHS}
@@ -744,7 +781,7 @@ def measure_matmul(device, dtype, quick: bool) -> dict:
     x = torch.randn(m, k, device=device, dtype=dtype)
     gemm = 2 * m * k * k / best_time(lambda: apply(x, w), device, 3 if quick else 5)
     n_out, n_in = (8192, 4096) if gpu else (3072, 768)
-    total = (512 if gpu else (32 if quick else 128)) * MB
+    total = (512 if gpu else 128) * MB      # quick too: a stream larger than a cache holds
     elem = torch.empty((), dtype=dtype).element_size()
     count = max(2, total // (n_out * n_in * elem))
     ws = [prep(torch.randn(n_out, n_in, device=device, dtype=dtype)) for _ in range(count)]
@@ -836,23 +873,25 @@ def measure_quant(device, dtype, quick: bool) -> dict:
 # kernel and its launch are spread over more keys: on one thread of the 2-core CPU, beside other
 # work, SDPA ran 22 GFLOP/s at 128 tokens, 34 at 512, 48 at 2048, 55-61 at 4096), so one rate taken
 # at a short prompt and scaled by S^2 prices a long prompt too slow (a quick calibration's rate at
-# 128 tokens put a 6144-token prefill at 33x its time). The cost model reads the rate at the run's S
-# (`attention_rate`). Heads: enough work per shape to time (about 2 GFLOP at the long ones), at
-# least 2 (one per core). On a GPU one shape that keeps it busy (at 2 x 8 x 512 an H200 measured 9
-# TFLOP/s of launch overhead, and the cost model, scaling that rate to a 32k prompt, predicted the
-# prefill 20x too slow). A quick calibration measures fewer lengths with fewer repeats, up to 2048
-# tokens: a long prompt's rate is measured, not a launch-bound one's.
+# 128 tokens put a 6144-token prefill at 33x its time). The cost model reads the rate at the run's
+# S (`attention_rate`). Heads: enough work per shape to time, and at least four per core (with two
+# heads at 4096 tokens two threads ran the scored pass no faster than one, and a run on one thread,
+# scaled from it, was priced 1.6x too slow). On a GPU one shape that keeps it busy (at 2 x 8 x 512
+# an H200 measured 9 TFLOP/s of launch overhead, and the cost model, scaling that rate to a 32k
+# prompt, predicted the prefill 20x too slow). A quick calibration measures fewer lengths with
+# fewer repeats, up to 2048 tokens: a long prompt's rate is measured, not a launch-bound one's.
 PREFILL_LENGTHS = {"cpu": (128, 512, 2048, 4096), "cpu-quick": (128, 2048),
                    "cuda": (2048,), "cuda-quick": (2048,)}
 PREFILL_GPU_HEADS = 128             # 4 sequences x 32 heads, as one batch of 128 heads
-PREFILL_FLOPS = 2e9                 # per CPU shape: heads = this / (2 S^2 d), within [2, 16]
+PREFILL_FLOPS = 2e9                 # per CPU shape: heads = this / (2 S^2 d), within bounds
 
 
 def prefill_heads(device, s: int, d: int = 64) -> int:
     """Query heads (one sequence) the prefill-attention measurement at S = s tokens runs."""
     if torch.device(device).type == "cuda":
         return PREFILL_GPU_HEADS
-    return 2 * min(max(round(PREFILL_FLOPS / (2 * s * s * d) / 2), 1), 8)
+    most = max(8, 2 * _cores())            # kv heads: two per core at least, as a run has
+    return 2 * min(max(round(PREFILL_FLOPS / (2 * s * s * d) / 2), 2 * _cores()), most)
 
 
 # Decode attention is timed at DECODE_SLOTS cached slots of K and V that come from memory, as in a
@@ -867,8 +906,56 @@ DECODE_RING_MAX = 512 * MB
 DECODE_RING_CALLS = 128
 
 
+DECODE_ROWS, DECODE_GROUP, DECODE_DIM = 32, 4, 64     # rows, query heads per row, head dim
+
+
 def decode_ring_bytes(device) -> int:
     return min(max(2 * last_level_cache(torch.device(device)), 64 * MB), DECODE_RING_MAX)
+
+
+def _ring(device, dtype) -> torch.Tensor:
+    return torch.empty(decode_ring_bytes(device) // torch.empty((), dtype=dtype).element_size(),
+                       device=device, dtype=dtype).fill_(0.01)
+
+
+def _decode_ring(device, dtype, n: int, ring: torch.Tensor | None = None):
+    """A call that runs decode attention over n slots of each pair of distinct K and V buffers
+    of `ring` (a new one if None) in turn; its `calls` is how many."""
+    from flexevict.core import kernels
+    ring = _ring(device, dtype) if ring is None else ring
+    r, g, d = DECODE_ROWS, DECODE_GROUP, DECODE_DIM
+    q = torch.randn(r, g, d, device=device, dtype=dtype)
+    size = n * r * d
+    pairs = [(ring[2 * i * size:(2 * i + 1) * size].view(n, r, d),
+              ring[(2 * i + 1) * size:(2 * i + 2) * size].view(n, r, d))
+             for i in range(min(max(ring.numel() // (2 * size), 1), DECODE_RING_CALLS))]
+    valid = torch.ones(n, r, dtype=torch.bool, device=device)
+    score = torch.zeros(n, r, device=device)
+
+    def attend():
+        for k, v in pairs:
+            kernels.decode_attention(q, k, v, valid, 0.1, score)
+    attend.calls = len(pairs)
+    return attend
+
+
+def _prefill_attention(device, dtype, s: int):
+    """(SDPA, the scored pass): calls that run causal prefill attention over s tokens of
+    `prefill_heads` heads, two per kv head; each call's `flops` is its work."""
+    from flexevict.core import kernels
+    from flexevict.core.model import causal_attention
+    h, d = prefill_heads(device, s, DECODE_DIM), DECODE_DIM
+    q = torch.randn(1, h, s, d, device=device, dtype=dtype)
+    kv = torch.randn(1, h // 2, s, d, device=device, dtype=dtype)
+    valid = torch.ones(1, s, dtype=torch.bool, device=device)
+
+    def sdpa():
+        causal_attention(q, kv, kv, None)
+
+    def scored():
+        kernels.prefill_attention_scores(q, kv, kv, valid, 0.1)
+    sdpa.flops = scored.flops = 2 * h * s * s * d
+    return sdpa, scored
 
 
 def measure_attention(device, dtype, quick: bool) -> dict:
@@ -877,38 +964,21 @@ def measure_attention(device, dtype, quick: bool) -> dict:
     collects the prompt's column sums (`kernels.prefill_attention_scores`, what a policy that
     ranks the prompt runs instead): "prefill_attn": {"sdpa": [[S, flop/s], ...], "scored":
     ...}; "sdpa_flops" and "scored_attn_flops" are the rates at the longest S."""
-    from flexevict.core import kernels
-    from flexevict.core.model import causal_attention
-    r, g, d = 32, 4, 64
     units, times = [], []
-    ring = torch.empty(decode_ring_bytes(device) // torch.empty((), dtype=dtype).element_size(),
-                       device=device, dtype=dtype).fill_(0.01)
+    ring = _ring(device, dtype)
     for n in DECODE_SLOTS[quick]:
-        q = torch.randn(r, g, d, device=device, dtype=dtype)
-        size = n * r * d
-        pairs = [(ring[2 * i * size:(2 * i + 1) * size].view(n, r, d),
-                  ring[(2 * i + 1) * size:(2 * i + 2) * size].view(n, r, d))
-                 for i in range(min(max(ring.numel() // (2 * size), 1), DECODE_RING_CALLS))]
-        valid = torch.ones(n, r, dtype=torch.bool, device=device)
-        score = torch.zeros(n, r, device=device)
-        times.append(best_time(lambda: [kernels.decode_attention(q, k, v, valid, 0.1, score)
-                                        for k, v in pairs], device, 3) / len(pairs))
-        units.append(n * r * (g + 2) * d)
-    pairs = ring = None             # not held while prefill attention is timed
+        attend = _decode_ring(device, dtype, n, ring)
+        times.append(best_time(attend, device, 3) / attend.calls)
+        units.append(n * DECODE_ROWS * (DECODE_GROUP + 2) * DECODE_DIM)
+    attend = ring = None             # not held while prefill attention is timed
     fixed, per_unit = _fit(units, times)
     table = {"sdpa": [], "scored": []}
     kind = device.type + ("-quick" if quick else "")
     for s in PREFILL_LENGTHS[kind]:
-        h = prefill_heads(device, s, d)
-        q = torch.randn(1, h, s, d, device=device, dtype=dtype)
-        kv = torch.randn(1, h // 2, s, d, device=device, dtype=dtype)
-        valid = torch.ones(1, s, dtype=torch.bool, device=device)
-        flops = 2 * h * s * s * d
-        repeats = 2 if quick or s >= 2048 else 3
-        table["sdpa"].append([s, flops / best_time(
-            lambda: causal_attention(q, kv, kv, None), device, repeats)])
-        table["scored"].append([s, flops / best_time(
-            lambda: kernels.prefill_attention_scores(q, kv, kv, valid, 0.1), device, repeats)])
+        sdpa, scored = _prefill_attention(device, dtype, s)
+        repeats = 2 if quick else 3
+        table["sdpa"].append([s, sdpa.flops / best_time(sdpa, device, repeats)])
+        table["scored"].append([s, scored.flops / best_time(scored, device, repeats)])
     return {"attn_decode": {"fixed_s": fixed, "per_unit_s": per_unit},
             "prefill_attn": table, "sdpa_flops": table["sdpa"][-1][1],
             "scored_attn_flops": table["scored"][-1][1]}
@@ -1002,6 +1072,11 @@ def measure_overheads(arch: str, device, dtype, quick: bool) -> dict:
 # launch overhead (at 2 x 128 an H200's probe was, and the cost model scaled it to 131k tokens)
 PROBE = {"batch": 2, "prompt": 128}
 PROBE_GPU = {"batch": 8, "prompt": 2048}
+# on a CPU the probe again at a long prefill's token count, measured once (a long measurement):
+# the element-wise work per token grows with the tensors (the passes fitted to 2 x 128 tokens on
+# the 2-core CPU were a third of those at 8192 and a 4096 x 4 prefill's element-wise ops took 12 s
+# where 4 were predicted); the cost model interpolates between the two by tokens
+PROBE_LONG = {"batch": 32, "prompt": 256}
 
 
 def probe_config(arch: str, prompt: int = PROBE["prompt"]):
@@ -1013,14 +1088,14 @@ def probe_config(arch: str, prompt: int = PROBE["prompt"]):
                        ffn_size=1536, max_positions=max(512, prompt), tie_embeddings=False)
 
 
-def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
-    """Seconds of the probe model's attention and MLP halves in a prefill of PROBE's batch and
-    prompt (policy full), each the best of a few."""
+def measure_probe(arch: str, device, dtype, quick: bool, size: dict | None = None) -> dict:
+    """Seconds of the probe model's attention and MLP halves in a prefill of `size`'s batch and
+    prompt (default PROBE's, PROBE_GPU's on a GPU; policy full), each the best of a few."""
     from flexevict.runtime.engine import allocate
     from flexevict.core.model import Transformer
     from flexevict.policies import get_policy
     from flexevict.io.weights import DummyWeights
-    size = PROBE_GPU if device.type == "cuda" and not quick else PROBE
+    size = size or (PROBE_GPU if device.type == "cuda" and not quick else PROBE)
     config = probe_config(arch, size["prompt"])
     model = Transformer.load(config, DummyWeights(config, 0), device=device, dtype=dtype)
     b, s = size["batch"], size["prompt"]
@@ -1037,7 +1112,7 @@ def measure_probe(arch: str, device, dtype, quick: bool) -> dict:
         def attn():
             model.attention_half(w, h, inp, allocate(model, layout, b)[0], policy)
         mid = model.attention_half(w, h, inp, allocate(model, layout, b)[0], policy)
-        repeats = 3 if quick else 7
+        repeats = 2 if size is PROBE_LONG else 3 if quick else 7
         return {"attn_s": best_time(attn, device, repeats),
                 "mlp_s": best_time(lambda: model.mlp_half(w, mid), device, repeats), **size}
 

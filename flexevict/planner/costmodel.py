@@ -254,7 +254,7 @@ class CostModel:
         t = 0.0
         for name, shape in matrices:
             t += shape[0] * shape[1] * e / bw + 2 * tokens * shape[0] * shape[1] / d["gemm_flops"]
-        t += self._passes(kind) * tokens * e / d["mem_bw"]
+        t += self._passes(kind, tokens) * tokens * e / d["mem_bw"]
         if kind == "head":
             t += b * c.vocab_size * 4 * 2 / d["mem_bw"]          # fp32 logits and the argmax
         if kind in ("attn", "block"):
@@ -264,26 +264,42 @@ class CostModel:
             t += 2 * moved * c.hidden_size * e / self._act_link(p)
         return t * self._efficiency()["prefill" if i == 0 else "decode"]
 
-    def _passes(self, kind: str) -> float:
-        """Elements per token an element-wise pass moves in layer `kind`, times the passes."""
-        c, passes = self.config, self._fitted_passes()
+    def _passes(self, kind: str, tokens: int) -> float:
+        """Elements per token an element-wise pass moves in layer `kind`, times the passes, in
+        a step of `tokens` tokens."""
+        c, passes = self.config, self._fitted_passes(tokens)
         width = {"embed": 3.0 * c.hidden_size, "head": 3.0 * c.hidden_size,
                  "attn": passes["attn"] * c.hidden_size,
                  "mlp": passes["mlp"] * (c.hidden_size + c.ffn_size)}
         width["block"] = width["attn"] + width["mlp"]
         return width[kind]
 
-    def _fitted_passes(self) -> dict:
+    def _fitted_passes(self, tokens: int | None = None) -> dict:
         """The passes that make the calibration's probe layer (calibration.measure_probe) come
         out as measured: its halves' time less their matmuls, attention and the full policy's
-        prefill hook, over one pass's time (PASSES without a probe)."""
-        if self._passes_fit is not None:
-            return self._passes_fit
+        prefill hook, over one pass's time (PASSES without a probe). Where the calibration has
+        the probe at a long prefill too ("probe_long", on a CPU), the passes at `tokens` are
+        interpolated between the two probes' in log tokens, and constant beyond them."""
+        if self._passes_fit is None:
+            self._passes_fit = sorted((self._probe_passes(key) for key in ("probe", "probe_long")
+                                       if self.dev.get(key, {}).get(
+                                           self.config.family.calibrated_as)),
+                                      key=lambda fit: fit[0])
+        fits = self._passes_fit
+        if not fits:
+            return dict(PASSES[self.config.family.calibrated_as])
+        if tokens is None or len(fits) == 1 or tokens <= fits[0][0]:
+            return fits[0][1]
+        if tokens >= fits[-1][0]:
+            return fits[-1][1]
+        (t0, p0), (t1, p1) = fits[0], fits[-1]
+        f = math.log(tokens / t0) / math.log(t1 / t0)
+        return {k: p0[k] + f * (p1[k] - p0[k]) for k in p0}
+
+    def _probe_passes(self, key: str) -> tuple[int, dict]:
+        """(tokens, passes) of the calibration's probe `key` ("probe" or "probe_long")."""
         arch, d, e = self.config.family.calibrated_as, self.dev, self.elem
-        probe = d.get("probe", {}).get(arch)
-        self._passes_fit = dict(PASSES[arch])
-        if not probe:
-            return self._passes_fit
+        probe = d[key][arch]
         from flexevict.planner.calibration import probe_config
         from flexevict.policies import PolicySpec
         c = probe_config(arch)
@@ -298,10 +314,9 @@ class CostModel:
         attn = 2 * b * c.num_heads * s * s * c.dim_head / attention_rate(d, False, s) + \
             hook["fixed_s"] + hook["per_token_row_s"] * s * b * c.num_kv_heads
         one = m * e / d["mem_bw"]
-        self._passes_fit = {
+        return m, {
             "attn": max(probe["attn_s"] - mm(stages[1]) - attn, 0.0) / (one * c.hidden_size),
             "mlp": max(probe["mlp_s"] - mm(stages[2]), 0.0) / (one * (c.hidden_size + c.ffn_size))}
-        return self._passes_fit
 
     def _efficiency(self) -> dict:
         """Factors on the CPU's compute (prefill, decode) and weight-streaming work that make
