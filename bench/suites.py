@@ -8,6 +8,7 @@ the case's own), peers side by side in the same run.
     python bench/suites.py bound            # weights streamed from CPU vs the PCIe bound
     python bench/suites.py recall           # recall 10% vs full at 32k, cache on the CPU
     python bench/suites.py placement-cpu    # the cost model: predicted vs measured, auto placement
+    python bench/suites.py gpu --out DIR --max-minutes M   # every GPU table (bench/gpu_plan.py)
     python bench/suites.py --list
 
 Results: DIR/<suite>/<case>_<device>.json per case and a summary DIR/<suite>_<device>.md/.json
@@ -335,7 +336,7 @@ def bound_table(rows: list[dict], bandwidth: float | None) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("suite", nargs="?", choices=list(SUITES))
+    ap.add_argument("suite", nargs="?", choices=[*SUITES, "gpu"])
     ap.add_argument("--list", action="store_true", help="print the cases and their commands")
     ap.add_argument("--only", default=None, help="run the cases whose name contains this")
     ap.add_argument("--case", action="append", default=[], metavar="NAME",
@@ -359,12 +360,18 @@ def main(argv=None):
     with cli_errors("bench/suites.py"):
         if args.max_minutes is not None and args.max_minutes <= 0:
             raise UserError(f"--max-minutes {args.max_minutes}: must be > 0")
+        if args.suite == "gpu" and args.list:
+            from gpu_plan import list_plan
+            return list_plan()
         if args.list or not args.suite:
             for n in ([args.suite] if args.suite else list(SUITES)):
                 for c in SUITES[n]():
                     print(f"{n}/{c['name']}: python -m flexevict.bench {' '.join(c['argv'])}"
                           + (f"   [peer: {c['peer']['kind']}]" if c["peer"] else ""))
             return
+        if args.suite == "gpu":
+            from gpu_plan import run_plan
+            sys.exit(run_plan(args.out or RESULTS, args.max_minutes, args.only))
         if args.suite == "placement-cpu":
             return run_placement_suite(select(args), args.out or PLACEMENT_RESULTS, args.repeat,
                                        args.compare_calibration, args.quiet_load)

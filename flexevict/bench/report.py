@@ -10,7 +10,10 @@ import torch
 from flexevict.runtime.machine import run_metadata
 
 
-def write_json(path: str | None, result: dict, device: torch.device | str = "cpu") -> None:
+def write_json(path: str | None, result: dict, device: torch.device | str | None = None) -> None:
+    """`result` with the run's metadata under "run"; device (default: this machine's GPU if it
+    has one, else its CPU) is the one the metadata names."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:

@@ -123,9 +123,11 @@ def run(args) -> dict:
     build_s = load_kernels(device)
     with out_of_memory(plan, device, limit):
         what = "making dummy weights" if path == DUMMY else "loading weights"
+        t0 = time.perf_counter()
         with Progress(config.num_layers, what, "layer", "MB") as bar:
             engine = Engine.load(config, open_weights(path, config, args.seed), placement,
                                  device, dtype, progress=lambda b: bar.update(1, b / 1e6))
+        weights_load_s = time.perf_counter() - t0
         try:
             prompts = _random_prompts(config, n, args.prompt_len, args.seed)
             if not args.no_warmup:
@@ -140,6 +142,7 @@ def run(args) -> dict:
             engine.close()
     result = _result(args, plan, policy, timed, device, steps)
     result["kernel_build_s"] = build_s
+    result["weights_load_s"] = weights_load_s
     result["predicted"] = predicted
     return result
 

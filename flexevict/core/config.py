@@ -151,6 +151,8 @@ REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
     _llama("llama-2-70b", 8192, 80, 64, 8, 28672),
     _llama("llama-3-8b", 4096, 32, 32, 8, 14336, vocab_size=128256, max_positions=8192,
            rope_theta=500000.0, bos_token_id=128000, eos_token_ids=(128001,)),
+    _llama("llama-3-70b", 8192, 80, 64, 8, 28672, vocab_size=128256, max_positions=8192,
+           rope_theta=500000.0, bos_token_id=128000, eos_token_ids=(128001,)),
     _llama("smollm2-135m", 576, 30, 9, 3, 1536, vocab_size=49152, max_positions=8192,
            rope_theta=100000.0, tie_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
            pad_token_id=2),

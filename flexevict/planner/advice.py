@@ -41,7 +41,12 @@ def here(device, path: str | None = None, threads: int | None = None):
     or this machine's cache; None when there is none."""
     if path:
         return calibration.read_file(path, threads)
-    return calibration.cached(torch.device(device), threads)
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: this machine has no CUDA GPU to calibrate; plan "
+                        "for one from a calibration file (python -m flexevict.calibrate "
+                        "--synthetic h100 --out h100.json, then --calibration h100.json)")
+    return calibration.cached(device, threads)
 
 
 def here_or_quick(device, threads: int | None, offload_dir: str, log=print):

@@ -1,0 +1,93 @@
+"""The GPU plan's tables (bench/gpu_plan.py): one per group of steps, every ratio between steps
+of one run on one machine."""
+from __future__ import annotations
+
+import statistics
+
+
+def tables(rows: list[dict], meta: dict) -> str:
+    head = (f"# GPU plan on {meta['device']} (driver {meta['driver']}, torch {meta['torch']}, "
+            f"CUDA {meta['cuda']}, {meta['cpu_cores']} cores, {meta['host_memory_gib']} GiB "
+            f"host memory, commit {meta['commit']})")
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(r)
+    parts = [head]
+    for group, members in groups.items():
+        if group in ("correctness", "calibration", "kernels"):
+            parts.append(command_table(group, members))
+        else:
+            parts.append(run_table(group, members))
+    return "\n\n".join(parts)
+
+
+def command_table(group: str, rows: list[dict]) -> str:
+    lines = [f"## {group}", "", "| step | seconds | exit | result |", "|---|---|---|---|"]
+    for r in rows:
+        res = r.get("result")
+        if isinstance(res, dict) and "summary" in res:            # the kernels' JSON
+            what = "; ".join(f"{k}: {v:.4g}" for k, v in res["summary"].items())
+        elif isinstance(res, dict) and "tests" in res:            # JUnit counts
+            what = ", ".join(f"{k} {v}" for k, v in res.items())
+        else:
+            what = "done" if res is None else "written"
+        if "error" in r:
+            what += f"; error: {r['error']}"
+        lines.append(f"| {r['step']} | {r['seconds']} | {r['rc']} | {what} |")
+    return "\n".join(lines)
+
+
+def median_step_ms(e: dict) -> float | None:
+    steps = e.get("step_seconds") or []
+    return 1e3 * statistics.median(steps[1:] or steps) if steps else None
+
+
+def placement_of(e: dict) -> str:
+    p = e.get("placement")
+    if not isinstance(p, dict):
+        return ""
+    percent = " ".join(str(p.get(k, "")) for k in ("w_gpu", "w_cpu", "cache_gpu", "cache_cpu",
+                                                  "act_gpu", "act_cpu"))
+    flags = [k for k in ("cpu_cache_compute", "compress_weight", "compress_cache") if p.get(k)]
+    return f"{percent} {p.get('gpu_batch_size')}x{p.get('num_gpu_batches')} {' '.join(flags)}"
+
+
+def run_table(group: str, rows: list[dict]) -> str:
+    """Engine and FlexGen rows of one workload, each with its ratio to the group's baseline
+    (FlexGen where it ran, else flexevict `full`) and its prediction."""
+    base = next((r["result"]["total_throughput"] for r in rows
+                 if r["kind"] == "flexgen" and r.get("result")), None)
+    base_name = "FlexGen"
+    if base is None:
+        base = next((r["result"]["total_throughput"] for r in rows
+                     if r.get("result") and r["step"].endswith("-full")), None)
+        base_name = "full"
+    fmt = lambda x, p=2: "" if x is None else f"{x:.{p}f}"  # noqa: E731
+    lines = [f"## {group}", "", f"| step | placement | batch | prefill s | median step ms | "
+             f"total tok/s | vs {base_name} | predicted tok/s | meas / pred | peak GPU GB | "
+             "peak RSS GB | weights made s | graphs | wall s |", "|" + "---|" * 14]
+    for r in rows:
+        e = r.get("result")
+        if e is None or "error" in r:
+            lines.append(f"| {r['step']} | error: {r.get('error', '')} |" + " |" * 12)
+            continue
+        pred = (e.get("predicted") or {}).get("throughput")
+        tput = e.get("total_throughput")
+        batch = e.get("batch") or _flexgen_batch(r)
+        lines.append(
+            f"| {r['step']} | {placement_of(e) or 'as given'} | {batch} "
+            f"| {fmt(e.get('prefill_latency_s'))} | {fmt(median_step_ms(e), 1)} | {fmt(tput)} "
+            f"| {fmt(tput / base if tput and base else None)} | {fmt(pred)} "
+            f"| {fmt(tput / pred if tput and pred else None)} | {fmt(e.get('peak_gpu_mem_gb'))} "
+            f"| {fmt(e.get('peak_cpu_rss_gb'))} | {fmt(e.get('weights_load_s'), 1)} "
+            f"| {e.get('graph_captures', '')} | {r['seconds']} |")
+    return "\n".join(lines)
+
+
+def _flexgen_batch(r: dict) -> int | None:
+    words = r["command"].split()
+    try:
+        return (int(words[words.index("--gpu-batch-size") + 1])
+                * int(words[words.index("--num-gpu-batches") + 1]))
+    except (ValueError, IndexError):
+        return None
