@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from flexevict.bench.report import write_json
 from flexevict.core.config import registry_config
+from flexevict.errors import UserError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -123,7 +124,7 @@ def steps() -> list[Step]:
                   "-p", "no:cacheprovider", "--junitxml", "{OUT}.xml"], 1.0)
     calibration = Step("calibration", "calibration", "command",
                        [py, "-m", "flexevict.calibrate", "--device", "cuda", "--recalibrate",
-                        "--out", "{OUT}"], 0.7)
+                        "--out", "{OUT}"], 1.2)
     kernels = Step("kernels", "kernels", "command",
                    [py, "-m", "flexevict.bench.kernels", "--json", "{OUT}"], 1.0)
     return ([build, tests, calibration] + headline(512, 512) + headline(512, 32) + a100_table()
@@ -208,9 +209,21 @@ def _read(path: str):
         return None
 
 
+def check_installed() -> None:
+    """Every step runs `flexevict` in a new process, where a checkout on the path is not
+    enough (`policies/` becomes `flexevict.policies` only when installed): found before the
+    first step, not in each step's traceback (the first plan run on a GPU lost a call so)."""
+    import importlib.util
+    if importlib.util.find_spec("flexevict.policies") is None:
+        raise UserError("flexevict is not installed here (flexevict.policies is missing): run "
+                        "`FLEXEVICT_KERNELS=0 pip install --no-deps --no-build-isolation -e .` "
+                        "in the checkout first (the kernels then build on first GPU use)")
+
+
 def run_plan(out: str, max_minutes: float | None, only: str | None) -> int:
     """Print the plan, run what fits, write the tables -> exit code (3 while steps remain)."""
     from suites import device_label
+    check_installed()
     dev, meta = device_label(), machine()
     folder = os.path.join(out, "gpu")
     os.makedirs(folder, exist_ok=True)

@@ -13,6 +13,7 @@ from gpu_plan import HOST_LIMIT_GIB, OVERHEAD_GIB, Step, flexgen_batch  # noqa: 
 from suites import device_label  # noqa: E402
 
 from flexevict.core.config import registry_config  # noqa: E402
+from flexevict.errors import UserError  # noqa: E402
 
 
 def _steps(marker):
@@ -72,3 +73,14 @@ def test_every_step_names_a_known_command():
         "opt-30b-512+512-h2o-0.2")
     for s in gpu_plan.steps():
         assert s.kind in ("command", "engine", "flexgen") and s.minutes > 0
+
+
+def test_an_uninstalled_checkout_is_refused_before_any_step(tmp_path, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flexevict.policies" else real(name, *a))
+    monkeypatch.setattr(gpu_plan, "steps", lambda: pytest.fail("a step was planned"))
+    with pytest.raises(UserError, match="pip install --no-deps --no-build-isolation -e ."):
+        gpu_plan.run_plan(str(tmp_path), max_minutes=1.0, only=None)
+    assert not (tmp_path / "gpu").exists()

@@ -525,3 +525,35 @@ def test_batched_replay_is_bit_identical_to_the_stepwise_one(bits_, source, g):
     got = policy._replay(pool.clone(), signs(kb), signs(qb).sum(dim=2), n_real, capacity, ring)
     assert torch.equal(got, want)
     assert not torch.equal(want, pool)                      # the replay evicted something
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("words", [1, 2])
+def test_victims_follow_lowest_rule_with_empty_slots(seed, words):
+    """The reference's one-key rule picks what `lowest` (and the CUDA kernel, which orders
+    candidates the same way) picks: empty slots first and the oldest of them, then the
+    farthest key, then the oldest; valid sinks never; the ring's oldest token competes. The
+    first GPU run of the kernel test found the reference taking the first empty slot instead."""
+    from flexevict.core.kernels import reference as ref
+    from flexevict.core.kv import Layout
+    gen = torch.Generator().manual_seed(seed)
+    cap, rows, g, prefix, sinks = 24, 5, 3, 14, 3
+    buf = KVBuffer(Layout(cap + 1, prefix=prefix, ring=cap - prefix), rows, 4, torch.float32,
+                   "cpu")
+    buf.pos[:cap] = torch.rand(cap, rows, generator=gen).argsort(dim=0).to(torch.int32)
+    buf.valid[:cap] = torch.rand(cap, rows, generator=gen) > 0.3
+    buf.used, buf.ring_start, buf.cursor = cap, prefix, prefix + seed % (cap - prefix)
+    bits = 6 if words == 1 else 32
+    codes = torch.randint(0, 1 << bits, (cap + 1, rows, words), generator=gen)
+    query = torch.randint(0, 1 << bits, (rows, g, words), generator=gen)
+    if words == 1:
+        buf.state.copy_(codes[..., 0].float())
+    candidates = torch.tensor([*range(prefix), buf.cursor])
+    distance = hamming(query, codes.index_select(0, candidates), bits).float()
+    value = torch.where(candidates.unsqueeze(1) < sinks, float("inf"), -distance)
+    want = ref.lowest(buf, value, candidates)
+    valid_before = buf.valid.clone()
+    got = ref.hash_victims(buf, query, sinks, None if words == 1 else codes, bits)
+    assert torch.equal(got, want)
+    assert not buf.valid[got, torch.arange(rows)].any()          # masked out of this step
+    assert torch.equal(buf.valid | valid_before, valid_before)

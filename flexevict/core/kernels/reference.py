@@ -485,18 +485,20 @@ def hash_victims(buf: KVBuffer, query_codes: torch.Tensor, protect: int,
     this step's attention. -> victims (R,).
 
     The rule is one integer key per committed slot, its smallest taken (the first on ties):
-    position - distance x 2^32 (farther, then older, first), empty slots below every key,
-    valid sinks and ring slots other than the oldest above: a dozen ops over slices of the
-    buffer, where gathering the candidates and `lowest`'s generic rule took twice as many (a
-    CPU decode step's hook is dispatch-bound)."""
+    position - distance x 2^32 (farther, then older, first), empty slots below every key
+    (the oldest first), valid sinks and ring slots other than the oldest above: a dozen ops
+    over slices of the buffer, where gathering the candidates and `lowest`'s generic rule took
+    twice as many (a CPU decode step's hook is dispatch-bound)."""
     c, start = buf.capacity, buf.ring_start
     if codes is None:       # one word of <= 24 bits, exact in int32: half the bytes of int64
         keys = buf.state[:c].to(torch.int32).unsqueeze(-1)
         query_codes = query_codes.to(torch.int32)
     else:
         keys = codes[:c]
-    key = torch.add(buf.pos[:c], hamming(query_codes, keys, bits), alpha=-(1 << 32))
-    key = torch.where(buf.valid[:c], key, _EMPTY)                            # (c, R) int64
+    pos = buf.pos[:c]
+    key = torch.add(pos, hamming(query_codes, keys, bits), alpha=-(1 << 32))
+    # empty slots below every key, the oldest of them first (the kernel's order, and `lowest`'s)
+    key = torch.where(buf.valid[:c], key, pos.to(torch.int64) + _EMPTY)     # (c, R) int64
     key[:protect].masked_fill_(buf.valid[:protect], _KEEP)
     ring = buf.constant(f"slots:{c}", lambda dev: torch.arange(c, device=dev))[start:]
     key[start:].masked_fill_((ring != buf.ring_cursor()).unsqueeze(1), _NOT_A_CANDIDATE)
@@ -507,7 +509,8 @@ def hash_victims(buf: KVBuffer, query_codes: torch.Tensor, protect: int,
     return victims
 
 
-_EMPTY = torch.iinfo(torch.int64).min                 # hash_victims' keys: an empty slot,
+_EMPTY = torch.iinfo(torch.int64).min + (1 << 31)     # hash_victims' keys: an empty slot
+                                                      # (plus its int32 position),
 _KEEP = torch.iinfo(torch.int64).max - 1              # a valid sink,
 _NOT_A_CANDIDATE = torch.iinfo(torch.int64).max       # a ring slot other than the oldest
 
