@@ -217,7 +217,8 @@ def check_installed() -> None:
     if importlib.util.find_spec("flexevict.policies") is None:
         raise UserError("flexevict is not installed here (flexevict.policies is missing): run "
                         "`FLEXEVICT_KERNELS=0 pip install --no-deps --no-build-isolation -e .` "
-                        "in the checkout first (the kernels then build on first GPU use)")
+                        "in the checkout first, or `ln -sfn ../policies flexevict/policies` "
+                        "with the checkout on PYTHONPATH")
 
 
 def run_plan(out: str, max_minutes: float | None, only: str | None) -> int:
