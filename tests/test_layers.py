@@ -1,0 +1,90 @@
+"""A run's layers (runtime/layers.py): a sliding-window layer keeps a ring of its window and no
+policy, a global layer the policy's budget; buffers, the memory plan and the result block count
+each layer's own size."""
+import pytest
+import torch
+
+import flexevict.runtime.engine as engine
+from flexevict.io.weights import DummyWeights
+from flexevict.policies import get_policy
+from flexevict.runtime.engine import Engine
+from flexevict.runtime.generation import Sampling, as_engine, generate
+from flexevict.runtime.layers import describe_layers, layer_slots, layer_specs
+from flexevict.runtime.placement import Placement
+from tiny import FAMILY_CONFIGS, engine_logits, model_for, rand_prompts
+
+GEMMA = FAMILY_CONFIGS["gemma3"]           # sliding, global, sliding; a window of 16
+
+
+def test_sliding_layers_keep_their_window_global_ones_the_budget():
+    specs = layer_specs(GEMMA, get_policy("h2o", budget=0.25), 40, 24)
+    assert [s.kind for s in specs] == ["window", "global", "window"]
+    assert [s.policy.name for s in specs] == ["local", "h2o", "local"]
+    assert layer_slots(specs) == [16, 16, 16]          # floor(0.25 * 64) = 16 = the window
+    specs = layer_specs(GEMMA, get_policy("h2o", budget=0.5), 40, 24)
+    assert layer_slots(specs) == [16, 32, 16]
+    assert all(s.layout.evicts for s in specs)
+    assert describe_layers(specs) == {"window_layers": 2, "window_slots": 16, "total_slots": 64}
+
+
+def test_a_window_that_holds_the_run_never_slides():
+    """A sliding layer whose window covers prompt + generation is a global layer for that run
+    (its window never binds): the policy runs on every layer, as on a model without windows."""
+    specs = layer_specs(GEMMA, get_policy("h2o", budget=0.5), 10, 6)
+    assert [s.kind for s in specs] == ["global"] * 3
+    assert describe_layers(specs) == {}
+    assert layer_specs(FAMILY_CONFIGS["qwen3"], get_policy("full"), 100, 50)[0].kind == "global"
+
+
+def test_buffers_are_allocated_at_each_layers_size(monkeypatch):
+    seen = []
+    real = engine.allocate_layers
+    monkeypatch.setattr(engine, "allocate_layers",
+                        lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    m = model_for("gemma3")
+    generate(m, rand_prompts([40, 33], seed=1), 24, get_policy("h2o", budget=0.5), Sampling(),
+             (), 0)
+    (bufs,) = seen
+    assert [b.layout.slots for b in bufs] == [16, 32, 16]
+    assert [b.k.shape[0] for b in bufs] == [16, 32, 16]
+    assert all(b.k.shape[1] == 2 * GEMMA.num_kv_heads for b in bufs)
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova", "streaming"])
+def test_a_whole_run_budget_on_global_layers_gives_fulls_bits(name):
+    """The window layers are the same ring under every policy, so a budget that holds the
+    whole run on the global layers gives `full`'s logits bit for bit."""
+    m = model_for("gemma3")
+    ps = rand_prompts([40, 40], seed=6)
+    feed = [torch.tensor([5, 9]), torch.tensor([7, 3])] * 8
+    ref_pre, ref = engine_logits(m, ps, feed, get_policy("full"))
+    pre, steps = engine_logits(m, ps, feed, get_policy(name, budget=1.0))
+    assert torch.equal(pre, ref_pre)
+    assert all(torch.equal(a, b) for a, b in zip(steps, ref))
+
+
+def test_result_block_counts_each_layer():
+    result = as_engine(model_for("gemma3")).run(
+        rand_prompts([40], seed=2), 24, get_policy("h2o", budget=0.5),
+        lambda i, k, h, head: head(h[:, -1] if h.dim() == 3 else h).argmax(-1))
+    assert result.layout.slots == 32                    # the policy's, on the global layer
+    assert layer_slots(result.layers) == [16, 32, 16]
+
+
+@pytest.mark.parametrize("policy", [("h2o", {"budget": 0.3}), ("full", {}),
+                                    ("h2o", {"budget_tokens": 16})])   # the window's size
+def test_offloaded_cache_with_mixed_layouts_matches_resident(policy, tmp_path):
+    """A cache homed on the CPU and disk tiers (working copies from the pool, whose buffers
+    alternate between the window's and the global layers' layouts, of equal shapes at 16
+    slots) gives the resident run's tokens."""
+    cfg = GEMMA
+    ps = rand_prompts([40, 37, 40, 29], seed=3)
+    make = lambda: get_policy(policy[0], **policy[1])  # noqa: E731
+    want = generate(model_for("gemma3"), ps, 20, make(), Sampling(), (), 0)
+    placement = Placement(gpu_batch_size=2, num_gpu_batches=2, cache_gpu=0, cache_cpu=50,
+                          offload_dir=str(tmp_path), sep_layer=True)
+    eng = Engine.load(cfg, DummyWeights(cfg, seed=0), placement, "cpu", torch.float32)
+    try:
+        assert generate(eng, ps, 20, make(), Sampling(), (), 0) == want
+    finally:
+        eng.close()
