@@ -9,7 +9,8 @@ from flexevict.io.weights import DummyWeights
 from flexevict.policies import get_policy
 from flexevict.runtime.engine import Engine
 from flexevict.runtime.generation import Sampling, as_engine, generate
-from flexevict.runtime.layers import describe_layers, layer_slots, layer_specs
+from flexevict.runtime.layers import describe_layers, describe_run, layer_slots, layer_specs
+from flexevict.runtime.memory import MemoryPlan
 from flexevict.runtime.placement import Placement
 from tiny import FAMILY_CONFIGS, engine_logits, model_for, rand_prompts
 
@@ -88,3 +89,23 @@ def test_offloaded_cache_with_mixed_layouts_matches_resident(policy, tmp_path):
         assert generate(eng, ps, 20, make(), Sampling(), (), 0) == want
     finally:
         eng.close()
+
+
+def test_memory_plan_counts_each_layers_slots():
+    """The plan's cache bytes are the buffers' real bytes, each layer at its own slots."""
+    specs = layer_specs(GEMMA, get_policy("h2o", budget=0.5), 40, 24)
+    slots = layer_slots(specs)
+    plan = MemoryPlan(GEMMA, Placement(gpu_batch_size=2), torch.float32, 2, 40, 24, slots)
+    bufs = engine.allocate_layers(model_for("gemma3"), specs, 2)
+    assert plan.cache_bytes() == sum(b.nbytes() for b in bufs)
+    every = MemoryPlan(GEMMA, Placement(gpu_batch_size=2), torch.float32, 2, 40, 24, 32)
+    assert plan.cache_bytes() == every.cache_bytes() * sum(slots) // (32 * 3)
+
+
+def test_result_blocks_name_the_window_layers():
+    specs = layer_specs(GEMMA, get_policy("h2o", budget=0.5), 40, 24)
+    block = describe_run(GEMMA, get_policy("h2o", budget=0.5), specs[1].layout)
+    assert block["slots"] == 32 and block["window_layers"] == 2 and block["window_slots"] == 16
+    qwen = FAMILY_CONFIGS["qwen3"]
+    layout = get_policy("h2o", budget=0.5).layout(40, 24)
+    assert "window_layers" not in describe_run(qwen, get_policy("h2o", budget=0.5), layout)

@@ -285,7 +285,8 @@ class Transformer:
             out, scores = kernels.prefill_attention_scores(q, k, v, inp.valid, scale, fold)
         else:
             default = factor == 1.0 and self.scale == d ** -0.5
-            out = causal_attention(q, k, v, inp.pads, None if default else scale, window)
+            slide = {} if window is None else {"window": window}
+            out = causal_attention(q, k, v, inp.pads, None if default else scale, **slide)
         # buffer rows are (b, kv-head): (B, Hk, S, ...) -> (S, B*Hk, ...)
         def rows(t):
             return t.permute(2, 0, 1, *range(3, t.dim())).reshape(s, b * nk, *t.shape[3:])

@@ -65,3 +65,10 @@ def describe_layers(specs: list[LayerSpec]) -> dict:
         return {}
     return {"window_layers": len(windows), "window_slots": windows[0].layout.slots,
             "total_slots": sum(layer_slots(specs))}
+
+
+def describe_run(config, policy: Policy, layout: Layout) -> dict:
+    """The result block's budget: the policy's resolved layout (`Policy.describe`), and the
+    window layers where the model has any that slide in this run (`describe_layers`)."""
+    specs = layer_specs(config, policy, layout.prompt_len, layout.gen_len, layout)
+    return {**policy.describe(layout), **describe_layers(specs)}
