@@ -71,8 +71,8 @@ class Gemma3(LLaMA):
     def embed(self, c, o, tokens, inp):
         """Scaled by sqrt(hidden) rounded to the weights' dtype first, as Gemma's checkpoints
         were trained (in bf16, 55.4256 becomes 55.5)."""
-        scale = torch.tensor(c.hidden_size ** 0.5, dtype=o["embed"].dtype)
-        return F.embedding(tokens, o["embed"]) * scale.to(o["embed"].device)
+        scale = float(torch.tensor(c.hidden_size ** 0.5, dtype=o["embed"].dtype))  # host only
+        return F.embedding(tokens, o["embed"]) * scale
 
     def head(self, c, o, h):
         logits = linear(gemma_norm(h, o["norm_w"], c.norm_eps), o["lm_head"]).float()
