@@ -1,6 +1,8 @@
 """A run's layers (runtime/layers.py): a sliding-window layer keeps a ring of its window and no
 policy, a global layer the policy's budget; buffers, the memory plan and the result block count
 each layer's own size."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,7 +11,10 @@ from flexevict.io.weights import DummyWeights
 from flexevict.policies import get_policy
 from flexevict.runtime.engine import Engine
 from flexevict.runtime.generation import Sampling, as_engine, generate
-from flexevict.runtime.layers import describe_layers, describe_run, layer_slots, layer_specs
+from flexevict.core.model import Transformer
+from flexevict.errors import UserError
+from flexevict.runtime.layers import (describe_layers, describe_run, layer_budget_slots,
+                                      layer_slots, layer_specs)
 from flexevict.runtime.memory import MemoryPlan
 from flexevict.runtime.placement import Placement
 from tiny import FAMILY_CONFIGS, engine_logits, model_for, rand_prompts
@@ -109,3 +114,64 @@ def test_result_blocks_name_the_window_layers():
     qwen = FAMILY_CONFIGS["qwen3"]
     layout = get_policy("h2o", budget=0.5).layout(40, 24)
     assert "window_layers" not in describe_run(qwen, get_policy("h2o", budget=0.5), layout)
+
+
+# ------------------------------------------------------------------ per-layer budgets
+
+EIGHT = dataclasses.replace(FAMILY_CONFIGS["qwen3"], num_layers=8, name="t-qwen3-8",
+                             extra={})
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.25, 0.5, 0.9])
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 32])
+def test_pyramid_keeps_the_uniform_total_and_decreases(budget, n):
+    """PyramidKV's schedule: n times the uniform budget's slots in all, non-increasing from
+    the bottom layer up, each layer within [the policy's minimum, the run]."""
+    policy = get_policy("h2o", budget=budget, layer_budgets="pyramid")
+    k = policy.slots_for(400, 100)
+    slots = layer_budget_slots(policy, n, 400, 100)
+    assert sum(slots) == n * k
+    assert all(a >= b for a, b in zip(slots, slots[1:]))
+    assert min(slots) >= policy.minimum_slots() and max(slots) <= 500
+    if n > 1 and budget <= 0.25:           # unclipped: the paper's top and bottom layers
+        assert abs(slots[-1] - k / 20) <= 1 and abs(slots[0] - (2 * k - k / 20)) <= 1
+
+
+def test_explicit_weights_share_the_uniform_total():
+    policy = get_policy("tova", budget_tokens=30, layer_budgets="3,1,1,1")
+    assert layer_budget_slots(policy, 4, 100, 20) == [60, 20, 20, 20]
+    with pytest.raises(UserError, match="4 weights for 3"):
+        layer_budget_slots(policy, 3, 100, 20)
+    for bad in ("pyramids", "1,0", "a,b", ""):
+        with pytest.raises(UserError, match="layer_budgets"):
+            get_policy("tova", budget=0.2, layer_budgets=bad)
+
+
+def test_layer_budgets_apply_to_global_layers_only():
+    """On Gemma-3 the one global layer holds all of the policy's slots; with a whole-run
+    budget every layer's schedule is the run itself, and the tokens are `full`'s."""
+    specs = layer_specs(GEMMA, get_policy("h2o", budget=0.5, layer_budgets="pyramid"), 40, 24)
+    assert layer_slots(specs) == [16, 32, 16]
+    m = model_for("qwen3")
+    ps = rand_prompts([40, 40], seed=8)
+    ref = generate(m, ps, 12, get_policy("full"), Sampling(), (), 0)
+    policy = get_policy("h2o", budget=1.0, layer_budgets="pyramid")
+    assert generate(m, ps, 12, policy, Sampling(), (), 0) == ref
+
+
+def test_a_pyramid_run_allocates_each_layers_budget(monkeypatch):
+    seen = []
+    real = engine.allocate_layers
+    monkeypatch.setattr(engine, "allocate_layers",
+                        lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    m = Transformer.load(EIGHT, DummyWeights(EIGHT, seed=0))
+    policy = get_policy("h2o", budget=0.25, layer_budgets="pyramid")
+    ps = rand_prompts([60, 60], seed=9)
+    out = generate(m, ps, 20, policy, Sampling(), (), 0)
+    (bufs,) = seen
+    want = layer_budget_slots(policy, 8, 60, 20)
+    assert [b.layout.slots for b in bufs] == want and sum(want) == 8 * 20
+    assert want[0] > want[-1]
+    assert out == [generate(m, [p], 20, policy, Sampling(), (), 0)[0] for p in ps]
+    block = describe_run(EIGHT, policy, policy.layout(60, 20))
+    assert block["layer_slots"] == want and block["total_slots"] == 160
