@@ -11,14 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexevict.core.families.base import (fused_qkv, hf_layer_types, layer_types, parts_of,
-                                          unless_default)
-from flexevict.core.families.llama import LLaMA
+from flexevict.core.families.base import hf_layer_types, layer_types, parts_of, unless_default
+from flexevict.core.families.qwen3 import Qwen3
 from flexevict.core.ops import linear
 from flexevict.errors import UserError
 
-NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-         "post_feedforward_layernorm")
+FEEDFORWARD_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 PATTERN = 6            # without layer_types: every 6th layer is global (sliding_window_pattern)
 
 
@@ -30,42 +28,29 @@ def gemma_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * (1.0 + w.float())).to(x.dtype)
 
 
-class Gemma3(LLaMA):
+class Gemma3(Qwen3):
     arch = "gemma3"
     model_types = ("gemma3_text",)
-    attention_keys = ("wqkv", "bqkv", "wo", "bo", "norm1", "q_norm", "k_norm", "norm1_post")
+    attention_keys = Qwen3.attention_keys + ("norm1_post",)
 
     # ---------------------------------------------------------------- parameters
     def layer_params(self, c, j):
-        h, f, d = c.hidden_size, c.ffn_size, c.dim_head
-        q_out, kv_out = c.num_heads * d, c.num_kv_heads * d
+        """Qwen3's (QK-norm) and the norms after each half."""
         p = f"model.layers.{j}."
-        shapes = {}
-        for name, out, inp in (("q_proj", q_out, h), ("k_proj", kv_out, h),
-                               ("v_proj", kv_out, h), ("o_proj", h, q_out)):
-            shapes[p + f"self_attn.{name}.weight"] = (out, inp)
-            if c.attention_bias:
-                shapes[p + f"self_attn.{name}.bias"] = (out,)
-        shapes[p + "self_attn.q_norm.weight"] = (d,)
-        shapes[p + "self_attn.k_norm.weight"] = (d,)
-        for name, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
-            shapes[p + f"mlp.{name}.weight"] = shape
-        shapes.update({p + f"{n}.weight": (h,) for n in NORMS})
-        return shapes
+        return {**super().layer_params(c, j),
+                **{p + f"{n}.weight": (c.hidden_size,) for n in FEEDFORWARD_NORMS}}
+
+    def extra_attention_recipe(self, parts):
+        return {**super().extra_attention_recipe(parts),
+                "norm1_post": parts("post_attention_layernorm.weight")}
 
     def layer_recipe(self, c, j):
+        """The norm before the MLP is `pre_feedforward_layernorm` (LLaMA's norm2 is the
+        post-attention one, here the attention half's), and one more after it."""
         parts = parts_of(c.layer_param_shapes(j), f"model.layers.{j}.")
-        a = "self_attn."
-        r = fused_qkv(parts, a)
-        r.update(wo=parts(a + "o_proj.weight"), bo=parts(a + "o_proj.bias"),
-                 norm1=parts("input_layernorm.weight"), q_norm=parts(a + "q_norm.weight"),
-                 k_norm=parts(a + "k_norm.weight"),
-                 norm1_post=parts("post_attention_layernorm.weight"),
-                 norm2=parts("pre_feedforward_layernorm.weight"),
-                 wgu=parts("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                 wd=parts("mlp.down_proj.weight"),
-                 norm2_post=parts("post_feedforward_layernorm.weight"))
-        return r
+        return {**super().layer_recipe(c, j),
+                "norm2": parts("pre_feedforward_layernorm.weight"),
+                "norm2_post": parts("post_feedforward_layernorm.weight")}
 
     # ---------------------------------------------------------------- compute
     def embed(self, c, o, tokens, inp):
