@@ -16,6 +16,7 @@ from flexevict.core.config import (DTYPES, ModelConfig, default_dtype, registry_
                                    with_overrides)
 from flexevict.errors import UserError, setting
 from flexevict.runtime.engine import Engine, resolved_layout
+from flexevict.runtime.layers import describe_run
 from flexevict.runtime.generation import Sampling, Watch, generate, plan_batches, stream_nll
 from flexevict.io.packaged import PACKAGED_MODELS
 from flexevict.runtime.placement import Placement
@@ -135,7 +136,7 @@ class LLM:
         outs = generate(self.engine, encoded, max_new_tokens, pol, sampling, stop, self.pad_id,
                         watch)
         steps = max(max_new_tokens) if isinstance(max_new_tokens, list) else max_new_tokens
-        return outs, pol.describe(resolved_layout(pol, encoded, steps))
+        return outs, describe_run(self.config, pol, resolved_layout(pol, encoded, steps))
 
     @property
     def pad_id(self) -> int:
@@ -159,7 +160,7 @@ class LLM:
         nll, layout = stream_nll(self.engine, [ids], pol, prefill_tokens, progress=show)
         mean = float(nll.double().mean())
         return {"tokens": len(ids), "nll": mean, "ppl": math.exp(mean), "slots": layout.slots,
-                "resolved": pol.describe(layout)}
+                "resolved": describe_run(self.config, pol, layout)}
 
     def score(self, text: str, max_tokens: int | None = None, policy: PolicySpec | str = "full",
               prefill_tokens: int | None = None, progress: bool | None = None) -> dict:

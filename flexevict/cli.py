@@ -322,9 +322,12 @@ def check_run(args, work, placement, n: int, runs: float = 1.0, steps: int | Non
     -> (CostModel, Estimate) of one block, or None where nothing was worth estimating."""
     from flexevict.planner import advice
     from flexevict.runtime.memory import GIB, DoesNotFit, MemoryPlan
-    layout = work.spec.make().layout(work.prompt_len, work.gen_len)
+    from flexevict.runtime.layers import layer_slots, layer_specs
+    policy = work.spec.make()
+    layout = policy.layout(work.prompt_len, work.gen_len)
+    slots = layer_slots(layer_specs(work.config, policy, work.prompt_len, work.gen_len, layout))
     plan = MemoryPlan(work.config, placement, work.dtype, n, work.prompt_len, work.gen_len,
-                      layout.slots, layout.home_tokens)
+                      slots, layout.home_tokens)
     cpu = getattr(args, "cpu_mem_limit", None)
     try:
         plan.check(work.device, limits_from_args(args, work.device).gpu,

@@ -39,7 +39,8 @@ from flexevict.errors import UserError, setting
 from flexevict.core.kernels import kv_head_probs  # noqa: F401 - the policies' helper
 from flexevict.core.kv import Field, KVBuffer, Layout
 
-BUDGET_FIELDS = ("budget", "budget_tokens")
+BUDGET_FIELDS = ("budget", "budget_tokens", "layer_budgets")
+LAYER_SCHEDULES = ("pyramid",)   # --policy-arg layer_budgets=NAME (flexevict/runtime/layers.py)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class Policy:
     carry (`buf.layout`), and every hook reads them there."""
     budget: float | None = None
     budget_tokens: int | None = None
+    # how the global layers share the run's slots: None (each the budget), "pyramid", or one
+    # weight per layer "w0,w1,...", the total kept at the budget's (runtime/layers.py)
+    layer_budgets: str | None = None
 
     name = "base"
     min_slots = 2                   # at least one committed slot and the scratch slot
@@ -79,6 +83,8 @@ class Policy:
                             f"{setting('budget_tokens')} for an absolute slot count")
         if self.budget_tokens is not None and self.budget_tokens < 1:
             raise UserError(f"{setting('budget_tokens')} must be >= 1 (got {self.budget_tokens})")
+        if self.layer_budgets is not None:
+            layer_weights(self.layer_budgets)             # checked now, applied per run
 
     # ------------------------------------------------------------------ arguments
     @classmethod
@@ -95,13 +101,14 @@ class Policy:
         names are refused, strings are converted to the field's type."""
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
         known = [n for n in fields if n not in BUDGET_FIELDS]
-        unknown = sorted(set(args) - set(known))
+        unknown = sorted(set(args) - set(known) - {"layer_budgets"})
         if unknown:
             raise UserError(f"unknown {setting('policy_args')} {', '.join(unknown)} for policy "
                             f"'{cls.name}' (its arguments: {', '.join(known) or 'none'})")
         hints = typing.get_type_hints(cls)
+        layers = args.pop("layer_budgets", None)
         typed = {k: _coerce(k, v, hints[k]) for k, v in args.items()}
-        return cls(budget, budget_tokens, **typed)
+        return cls(budget, budget_tokens, layers, **typed)
 
     def arguments(self) -> dict:
         """The policy's arguments (not the budget), by name."""
@@ -149,7 +156,8 @@ class Policy:
         slots = self.slots_for(prompt_len, gen_len)
         if slots >= prompt_len + gen_len:
             return ("keeps-all",)
-        if self.batch_by_length or prompt_len <= slots - 1:
+        # per-layer budgets: a layer may hold a prompt that the budget's slots do not
+        if self.batch_by_length or prompt_len <= slots - 1 or self.layer_budgets:
             return ("length", prompt_len, slots)
         return ("compacts", slots)
 
@@ -263,6 +271,22 @@ class RingPolicy(Policy):
         the lowest goes (empty slots first, ties: the oldest), or None for `buf.score`.
         Default: the oldest recent token alone (a sliding window)."""
         return 0, True, None
+
+
+def layer_weights(spec: str) -> str | list[float]:
+    """A `layer_budgets` argument: a schedule's name (LAYER_SCHEDULES), or "w0,w1,..." -> the
+    positive weights, one per global layer, that share the run's slots."""
+    if spec in LAYER_SCHEDULES:
+        return spec
+    try:
+        weights = [float(x) for x in spec.split(",")]
+    except ValueError:
+        weights = []
+    if not weights or min(weights) <= 0:
+        raise UserError(f"{setting('policy_args')} layer_budgets={spec}: expected "
+                        f"{' or '.join(LAYER_SCHEDULES)}, or one positive weight per layer "
+                        "separated by commas")
+    return weights
 
 
 def add_attention(buf: KVBuffer, probs: torch.Tensor, scored: bool) -> None:

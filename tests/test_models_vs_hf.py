@@ -13,7 +13,6 @@ import torch
 
 import flexevict.api
 import flexevict.errors
-import flexevict.runtime.engine as E
 import flexevict.core.model
 import flexevict.policies
 import flexevict.io.weights
@@ -71,6 +70,18 @@ def _qwen3(**kw):
     return Qwen3Config(**base)
 
 
+def _gemma3(**kw):
+    """Gemma-3's text model: 5 sliding layers to 1 global by default, a window of 8 (the tests'
+    prompts are longer), attention scaled by query_pre_attn_scalar, a final logit soft-cap."""
+    from transformers import Gemma3TextConfig
+    base = dict(vocab_size=96, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, intermediate_size=128,
+                max_position_embeddings=256, sliding_window=8, query_pre_attn_scalar=24,
+                final_logit_softcapping=30.0, rope_theta=1e6, rope_local_base_freq=1e4)
+    base.update(kw)
+    return Gemma3TextConfig(**base)
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
@@ -89,6 +100,12 @@ CONFIGS = {
     "mistral": lambda: _mistral(),
     "qwen2": lambda: _qwen2(),           # q/k/v biases, no o_proj bias
     "qwen3": lambda: _qwen3(),           # QK-norm per head, H*d != hidden, tied head
+    "gemma3": lambda: _gemma3(),         # local/global layers and RoPE bases, soft-cap, tied
+    # every other layer global, its RoPE scaled; biases, an untied head, no soft-cap
+    "gemma3-scaled": lambda: _gemma3(num_hidden_layers=4, sliding_window_pattern=2,
+                                     rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                     attention_bias=True, tie_word_embeddings=False,
+                                     final_logit_softcapping=None),
 }
 
 
@@ -152,17 +169,21 @@ def test_logits_match_hf(name, hf_model_factory):
     assert_logits_match(hf, model, prompts_for(2, 9, vocab, seed=2))
 
 
-def test_sliding_window_is_honoured_or_refused(hf_model_factory):
-    """A Mistral config with a sliding window shorter than the sequence: the engine must either
-    reproduce HF (windowed attention) or refuse the length, never silently attend further."""
-    hf, folder = hf_model_factory(_mistral(sliding_window=8), "swa")
+@pytest.mark.parametrize("name,config", [
+    ("mistral-swa", lambda: _mistral(sliding_window=8)),
+    ("qwen2-swa", lambda: _qwen2(sliding_window=8, use_sliding_window=True, max_window_layers=1,
+                                 num_hidden_layers=3)),        # the upper two layers slide
+    ("gemma3", CONFIGS["gemma3"])])
+def test_sliding_window_shorter_than_the_prompt(name, config, hf_model_factory):
+    """A window (8) shorter than the prompt (24), and than the run: windowed prefill attention,
+    then each sliding layer's ring of its last 8 tokens, as transformers attends them."""
+    hf, folder = hf_model_factory(config(), name)
     model = load_engine(folder)
-    prompts = prompts_for(1, 13, model.config.vocab_size, seed=1)
-    try:
-        E.check_length(model.config, 13, DECODE_STEPS + 1)
-    except flexevict.errors.UserError:
-        return                                          # refused: fine
-    assert_logits_match(hf, model, prompts)
+    assert "sliding" in model.config.layer_types and model.config.sliding_window == 8
+    assert model.config.max_positions == 256            # the window no longer caps the length
+    vocab = model.config.vocab_size
+    assert_logits_match(hf, model, prompts_for(1, 24, vocab, seed=1))
+    assert_logits_match(hf, model, prompts_for(2, 21, vocab, seed=2))
 
 
 def test_engine_config_reads_saved_hf_config(hf_model_factory):

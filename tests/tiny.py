@@ -20,6 +20,14 @@ FAMILY_CONFIGS = {
     "qwen3": ModelConfig(arch="qwen3", name="t-qwen3", vocab_size=128, hidden_size=64,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, ffn_size=128,
                          max_positions=512, norm_eps=1e-6),
+    # a window (16) shorter than the policy tests' runs (40 + 16): the sliding layers keep a
+    # ring, the policy runs on the global one
+    "gemma3": ModelConfig(arch="gemma3", name="t-gemma3", vocab_size=128, hidden_size=64,
+                          num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, ffn_size=128,
+                          max_positions=512, norm_eps=1e-6, sliding_window=16,
+                          layer_types=("sliding", "global", "sliding"), rope_theta=1e6,
+                          rope_local_theta=1e4, query_pre_attn_scalar=24,
+                          final_logit_softcap=30.0),
 }
 _MODELS = {}
 

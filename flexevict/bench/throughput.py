@@ -30,6 +30,7 @@ from flexevict.cli import (add_placement_args, add_policy_args, add_threads_arg,
                            choose_threads, cpu_threads, has_auto, placement_from_args,
                            policy_spec)
 from flexevict.runtime.engine import Engine, RunResult, check_length
+from flexevict.runtime.layers import describe_layers, layer_slots, layer_specs
 from flexevict.errors import UserError, cli_errors
 from flexevict.runtime.memory import MemoryPlan, GIB, out_of_memory
 from flexevict.policies import Policy, PolicySpec
@@ -116,7 +117,8 @@ def run(args) -> dict:
     spec = policy_spec(args)
     policy = spec.make()
     layout = policy.layout(args.prompt_len, args.gen_len)
-    plan = MemoryPlan(config, placement, dtype, n, args.prompt_len, args.gen_len, layout.slots,
+    slots = layer_slots(layer_specs(config, policy, args.prompt_len, args.gen_len, layout))
+    plan = MemoryPlan(config, placement, dtype, n, args.prompt_len, args.gen_len, slots,
                       layout.home_tokens)
     predicted = describe(check_run(args, work, placement, n, steps=steps))
     confirm_long_run(predicted, steps, args.yes)
@@ -310,7 +312,8 @@ def _result(args, plan, policy, timed, device, steps) -> dict:
         "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": n,
         "decode_steps_run": steps - 1, "projected": projected,
         "placement": placement.describe(),
-        "policy": policy.describe(layout), "budget": args.budget,
+        "policy": {**policy.describe(layout), **describe_layers(timed.run.layers)},
+        "budget": args.budget,
         "budget_tokens": args.budget_tokens,
         "model_size_gb": config.weight_bytes(_dtype_name(plan.dtype)) / GIB,
         "cache_size_gb": config.cache_bytes(n, args.prompt_len + args.gen_len,

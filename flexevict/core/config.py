@@ -47,6 +47,14 @@ class ModelConfig:
     qkv_bias: bool = False         # q/k/v only (Qwen2)
     mlp_bias: bool = False
     head_dim: int | None = None    # None: hidden_size // num_heads
+    # per-layer attention (Mistral, Gemma-3): a sliding layer attends its last `sliding_window`
+    # tokens (the new one included); layer_types: "sliding" or "global" per layer, () = every
+    # layer global; rope_local_theta: the sliding layers' RoPE base (None: rope_theta)
+    sliding_window: int | None = None
+    layer_types: tuple = ()
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None   # logits scaled by its ** -0.5 (None: d)
+    final_logit_softcap: float | None = None     # logits -> cap * tanh(logits / cap)
     # OPT family
     pre_layer_norm: bool = True    # False only for opt-350m (post-LN)
     word_embed_dim: int | None = None  # opt-350m projects 512 <-> 1024
@@ -66,6 +74,12 @@ class ModelConfig:
     @property
     def embed_dim(self) -> int:
         return self.word_embed_dim or self.hidden_size
+
+    def layer_window(self, j: int) -> int | None:
+        """Layer j's attention window in tokens (the new one included), or None (global)."""
+        if self.sliding_window and self.layer_types and self.layer_types[j] == "sliding":
+            return self.sliding_window
+        return None
 
     @property
     def family(self):

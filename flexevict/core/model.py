@@ -12,6 +12,7 @@ Hk kv heads, d head dim, D hidden, R = B * Hk buffer rows.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -57,12 +58,14 @@ def load_outer_weights(config: ModelConfig, source, device, dtype) -> dict:
 
 # ------------------------------------------------------------------------------------ RoPE
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Rotary inverse frequencies (d/2,), with linear or llama3 scaling when the config has it."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Rotary inverse frequencies (d/2,), with linear or llama3 scaling when the config has it;
+    local: the sliding layers' table (base `rope_local_theta`, never scaled: Gemma-3's)."""
     d = config.dim_head
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     sc = config.rope_scaling
-    if not sc:
+    if not sc or local:
         return inv
     kind = sc.get("rope_type", sc.get("type"))
     factor = float(sc["factor"])
@@ -132,6 +135,7 @@ class StepInput:
     pos: torch.Tensor
     valid: torch.Tensor | None
     rope: tuple | None = None      # (cos, sin), computed once per call (RoPE families)
+    local_rope: tuple | None = None    # the same from the sliding layers' own RoPE base, if any
     pads: torch.Tensor | None = None   # prefill: (B,) pads per row; None when no row has any
     pos_end: int | None = None     # every position so far is below it (host-known), or None
 
@@ -145,9 +149,16 @@ class Transformer:
         each call its loaded weights); device/dtype default to the embedding's."""
         self.config, self.layers, self.outer = config, layers, outer
         self.family = config.family
-        self.inv_freq = rope_inv_freq(config) if self.family.uses_rope else None
-        self._inv_freq_at = {}         # device -> inv_freq there, copied once
-        self._rank_rope_at = {}        # (device, dtype) -> cos|sin of ranks 0..n-1 (`rank_rope`)
+        rope = self.family.uses_rope
+        self.inv_freq = rope_inv_freq(config) if rope else None
+        # the sliding layers' own table (Gemma-3's local base), used by the layers `local`
+        self.windows = [config.layer_window(j) for j in range(config.num_layers)]
+        has_local = rope and config.rope_local_theta is not None and any(self.windows)
+        self.local_inv_freq = rope_inv_freq(config, local=True) if has_local else None
+        self.local = [has_local and w is not None for w in self.windows]
+        self.scale = (config.query_pre_attn_scalar or config.dim_head) ** -0.5
+        self._inv_freq_at = {}         # (device, local) -> inv_freq there, copied once
+        self._rank_rope_at = {}        # (device, dtype, local) -> `rank_rope`'s table
         self._device, self._dtype = device, dtype
 
     @classmethod
@@ -176,36 +187,41 @@ class Transformer:
     def device(self):
         return self._device or self.outer["embed"].device
 
-    def rope_freq(self, device) -> torch.Tensor:
-        """inv_freq on `device`, copied there on first use: a copy per call would make every
-        decode step wait for a host-to-device transfer."""
-        device = torch.device(device)
-        if device not in self._inv_freq_at:
-            self._inv_freq_at[device] = self.inv_freq.to(device)
-        return self._inv_freq_at[device]
+    def rope_freq(self, device, local: bool = False) -> torch.Tensor:
+        """inv_freq (local: the sliding layers' `local_inv_freq`) on `device`, copied there on
+        first use: a copy per call would make every decode step wait for a host-to-device
+        transfer."""
+        key = (torch.device(device), local)
+        if key not in self._inv_freq_at:
+            self._inv_freq_at[key] = (self.local_inv_freq if local else self.inv_freq).to(key[0])
+        return self._inv_freq_at[key]
 
-    def rank_rope(self, n: int, device, dtype) -> torch.Tensor:
+    def rank_rope(self, n: int, device, dtype, local: bool = False) -> torch.Tensor:
         """`rank_table` for the ranks 0..m-1, m >= n, on (device, dtype): kept, and grown by
         doubling. StreamingLLM and Cascade rotate every cached key to its in-cache rank on
         every step; a lookup in the table saves recomputing the cosines and sines of the whole
         cache each step."""
-        key = (torch.device(device), dtype)
+        key = (torch.device(device), dtype, local)
         table = self._rank_rope_at.get(key)
         if table is None or table.shape[0] < n:
             size = 1 << max(n - 1, 1).bit_length()
-            table = self._rank_rope_at[key] = rank_table(self.rope_freq(device), size, dtype)
+            table = self._rank_rope_at[key] = rank_table(self.rope_freq(device, local), size,
+                                                         dtype)
         return table
 
     # ------------------------------------------------------------------ embed / head
     def step_input(self, pos: torch.Tensor, valid: torch.Tensor | None,
                    pos_end: int | None = None) -> StepInput:
-        rope = None
+        rope = local = None
         if self.inv_freq is not None:
             rope = rope_cos_sin(self.rope_freq(pos.device), pos, self.dtype)
+        if self.local_inv_freq is not None:
+            local = rope_cos_sin(self.rope_freq(pos.device, local=True), pos, self.dtype)
         pads = None
         if valid is not None and not bool(valid.all()):   # prefill: one host read per call
             pads = (~valid).sum(dim=1)
-        return StepInput(pos=pos, valid=valid, rope=rope, pads=pads, pos_end=pos_end)
+        return StepInput(pos=pos, valid=valid, rope=rope, local_rope=local, pads=pads,
+                         pos_end=pos_end)
 
     def embed(self, tokens: torch.Tensor, inp: StepInput, o: dict | None = None) -> torch.Tensor:
         """tokens (B, S) or (B,) -> hidden (B, S, D) or (B, D). o: outer weights (default
@@ -238,6 +254,8 @@ class Transformer:
         qkv = linear(x, w["wqkv"], w.get("bqkv"))
         q, k, v = qkv.split([nh * d, nk * d, nk * d], dim=-1)
         q, k = self.family.query_key(c, w, q, k)
+        if buf.layer is not None and self.local[buf.layer]:    # the layer's own RoPE table
+            inp = dataclasses.replace(inp, rope=inp.local_rope)
         if x.dim() == 3:
             return self._prefill_attention(q, k, v, inp, buf, policy, clock)
         return self._decode_attention(q, k, v, inp, buf, policy, clock)
@@ -256,14 +274,19 @@ class Transformer:
             # keys cached before RoPE, its pairs side by side (`rotate_in_cache`)
             k_cached = pairs_adjacent(k_cached) if buf.layout.rope_in_cache else k
         factor = policy.logit_scale(s)
-        scale = d ** -0.5 * factor
+        scale = self.scale * factor
+        window = self.windows[buf.layer] if buf.layer is not None else None
+        window = window if window is not None and window < s else None   # else it never binds
         scores = None
         if policy.wants_prompt_scores(buf.layout):   # the scores come with the output
+            assert window is None, "a sliding layer's window ring ranks no prompt"
             fold = (None if policy.prompt_scores is None
                     else functools.partial(policy.prompt_scores, buf.layout))
             out, scores = kernels.prefill_attention_scores(q, k, v, inp.valid, scale, fold)
         else:
-            out = causal_attention(q, k, v, inp.pads, None if factor == 1.0 else scale)
+            default = factor == 1.0 and self.scale == d ** -0.5
+            slide = {} if window is None else {"window": window}
+            out = causal_attention(q, k, v, inp.pads, None if default else scale, **slide)
         # buffer rows are (b, kv-head): (B, Hk, S, ...) -> (S, B*Hk, ...)
         def rows(t):
             return t.permute(2, 0, 1, *range(3, t.dim())).reshape(s, b * nk, *t.shape[3:])
@@ -308,7 +331,7 @@ class Transformer:
         keys = None
         if in_cache:
             q, keys = self._rotate_in_cache(q, buf, n, inp.pos_end)
-        scale = d ** -0.5 * policy.logit_scale(min(n, buf.used + 1))
+        scale = self.scale * policy.logit_scale(min(n, buf.used + 1))
         scored = policy.accumulates_attention
         out, probs = attend(q, buf, n, scale, keys, scored)
         with clock:
@@ -316,8 +339,9 @@ class Transformer:
         return out.reshape(b, nh * d)
 
     def _rotate_in_cache(self, q, buf: KVBuffer, n: int, pos_end: int | None = None):
-        """`rotate_in_cache` with this model's rank table."""
-        return rotate_in_cache(q, buf, n, self.rank_rope(n, q.device, q.dtype), pos_end)
+        """`rotate_in_cache` with the rank table of buf's layer."""
+        local = buf.layer is not None and self.local[buf.layer]
+        return rotate_in_cache(q, buf, n, self.rank_rope(n, q.device, q.dtype, local), pos_end)
 
 
 def rank_table(inv_freq: torch.Tensor, size: int, dtype) -> torch.Tensor:
@@ -404,11 +428,13 @@ def _counted_ranks(pos, valid, pos_end: int):
     return below.clamp_(0, max(n - 1, 0)).t().long()
 
 
-def causal_attention(q, k, v, pads: torch.Tensor | None, scale: float | None = None):
+def causal_attention(q, k, v, pads: torch.Tensor | None, scale: float | None = None,
+                     window: int | None = None):
     """Causal prefill attention of left-padded rows on SDPA's fused kernels (flash attention
     where the device has it). q (B, H, S, d), k/v (B, Hk, S, d), pads (B,) int pads at the start
-    of each row, or None when no row has any; scale None = d^-0.5 -> out (B, S, H, d), rows
-    token-major for the output projection.
+    of each row, or None when no row has any; scale None = d^-0.5; window: each query sees only
+    the last `window` tokens, itself included (a sliding-window layer; an (S, S) mask, so no
+    flash kernel) -> out (B, S, H, d), rows token-major for the output projection.
 
     Padding without a mask: SDPA cannot combine is_causal with a mask, and a (B, 1, S, S) mask
     rules out the flash kernel and makes the others read a B*S*S bias. Rolling each row left by
@@ -419,9 +445,10 @@ def causal_attention(q, k, v, pads: torch.Tensor | None, scale: float | None = N
     O(B H S d) next to attention's O(B H S^2 d), and only a padded batch pays them.
     """
     gqa = q.shape[1] != k.shape[1]
+    mask = None if window is None else window_mask(q.shape[2], window, q.device)
     if pads is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                             enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)
     b, h, s, d = q.shape
     slots = torch.arange(s, device=q.device)
@@ -430,10 +457,17 @@ def causal_attention(q, k, v, pads: torch.Tensor | None, scale: float | None = N
     def roll(t):
         return t.gather(2, src[:, None, :, None].expand(b, t.shape[1], s, d))
 
-    out = F.scaled_dot_product_attention(roll(q), roll(k), roll(v), is_causal=True, scale=scale,
-                                         enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(roll(q), roll(k), roll(v), attn_mask=mask,
+                                         is_causal=mask is None, scale=scale, enable_gqa=gqa)
     back = (slots - pads[:, None]) % s           # token i sits at rolled slot back[b, i]
     return out.transpose(1, 2).gather(1, back[:, :, None, None].expand(b, s, h, d))
+
+
+def window_mask(s: int, window: int, device) -> torch.Tensor:
+    """(S, S) bool: query i sees keys i - window < j <= i (rolled rows: real tokens first, so
+    slot distance is position distance; a pad query still sees itself)."""
+    gap = torch.arange(s, device=device)[:, None] - torch.arange(s, device=device)
+    return (gap >= 0) & (gap < window)
 
 
 def attend(q: torch.Tensor, buf: KVBuffer, n: int, scale: float, keys=None,

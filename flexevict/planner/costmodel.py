@@ -56,6 +56,7 @@ import torch
 
 from flexevict.core.model import LINEAR_WEIGHTS
 from flexevict.planner.calibration import attention_rate
+from flexevict.runtime.layers import layer_slots, layer_specs
 from flexevict.runtime.memory import MemoryPlan, stage_weights
 
 # Element-wise passes per half layer, without a calibration probe: over (tokens x hidden) in the
@@ -126,6 +127,9 @@ class CostModel:
         self.slots = policy.slots_for(prompt_len, gen_len)
         self.evicts = self.slots < prompt_len + gen_len
         layout = policy.layout(prompt_len, gen_len)
+        # each layer's own slots (a sliding layer's window): the memory plan counts them; the
+        # times below price every layer at the policy's
+        self.layer_slots = layer_slots(layer_specs(config, policy, prompt_len, gen_len, layout))
         self.history = layout.home_tokens                 # recall's
         self.attended = layout.attended_per_step(gen_len - 1)   # by decode step 1, 2, ...
         self.written = layout.written_per_step            # K/V slots a step stores back
@@ -145,8 +149,8 @@ class CostModel:
 
     # ------------------------------------------------------------------ public
     def memory_plan(self, placement, n: int) -> MemoryPlan:
-        return MemoryPlan(self.config, placement, self.dtype, n, self.P, self.G, self.slots,
-                          self.history)
+        return MemoryPlan(self.config, placement, self.dtype, n, self.P, self.G,
+                          self.layer_slots, self.history)
 
     def estimate(self, placement, n: int, plan: MemoryPlan | None = None) -> Estimate:
         """Predicted prefill and decode time of n sequences under `placement`."""

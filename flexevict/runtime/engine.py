@@ -33,6 +33,7 @@ from flexevict.core.model import (LINEAR_WEIGHTS, PackedWeight, Transformer, loa
                     load_outer_weights, onednn_usable)
 from flexevict.policies import Policy
 from flexevict.runtime.graphs import CaptureFailed, DecodeGraphs
+from flexevict.runtime.layers import layer_specs, uniform
 from flexevict.runtime.allocator import steady_host_allocator
 from flexevict.runtime.offload import DONE, Lane, Tiers, Ticket, Traffic, load_into, store_into
 from flexevict.runtime.placement import DEFAULT_OFFLOAD_DIR, Placement
@@ -73,6 +74,15 @@ class Run:
     home_stored: dict = field(default_factory=dict)   # (k, j) -> the home's latest store
     step_stores: list = field(default_factory=list)   # this token step's stores
     graphs: DecodeGraphs | None = None                # its decode-step graphs, if it may use them
+    layers: list = field(default_factory=list)        # each block's LayerSpec (runtime/layers.py)
+
+    def policy_of(self, j: int) -> Policy:
+        """The policy block j's cache runs (a sliding layer's window ring, or the run's)."""
+        return self.layers[j].policy if self.layers else self.policy
+
+    def policies(self) -> list[Policy]:
+        """Every policy of the run, once each."""
+        return list({id(s.policy): s.policy for s in self.layers}.values()) or [self.policy]
 
 
 class Consumer(Protocol):
@@ -104,6 +114,7 @@ class RunResult:
     tokens: torch.Tensor            # (B, steps run) int64: the consumer's tokens, step by step
     layout: Layout                  # the run's resolved budget (`resolved_layout`)
     stats: RunStats
+    layers: list = field(default_factory=list)   # each block's LayerSpec: its policy and layout
 
 
 def resolved_layout(policy: Policy, prompts: list[list[int]], steps: int) -> Layout:
@@ -259,15 +270,18 @@ class Engine:
             check_length(self.config, max(len(x) for x in prompts), plan_steps or steps)
         sizes = self.placement.batch_split(len(prompts))
         layout = resolved_layout(policy, prompts, plan_steps or steps)
+        layers = layer_specs(self.config, policy, tokens.shape[1], plan_steps or steps, layout)
+        evicts = any(s.layout.evicts for s in layers)
         limit = self.config.max_positions if wrap_positions else None
         with self.tiers.run_scope():          # the next run reuses this run's pinned KV homes
             cache_tiers = self.placement.cache_tiers(len(sizes))
-            run = Run(self._allocate_cache(layout, sizes, cache_tiers, policy),
-                      cache_tiers, policy, EvictionClock(self.tiers.compute, layout.evicts))
-            if self._graphable(run, layout, steps):
+            run = Run(self._allocate_cache(layers, sizes, cache_tiers),
+                      cache_tiers, policy, EvictionClock(self.tiers.compute, evicts),
+                      layers=layers)
+            if self._graphable(run, steps):
                 run.graphs = self.Graphs(self.tiers.compute)
             stats, emitted = self._run(run, (tokens, valid, pos), steps, consume, until, limit)
-        return RunResult(torch.stack(emitted, dim=1), layout, stats)
+        return RunResult(torch.stack(emitted, dim=1), layout, stats, layers)
 
     def _run(self, run: Run, padded, steps, consume, until, limit):
         """run's body: padded = tokens, valid, pos (B, S) from left_pad; limit: positions wrap
@@ -285,7 +299,7 @@ class Engine:
             for i in range(steps):
                 t0 = time.perf_counter()
                 graphed = i > 0 and run.graphs is not None and (
-                    run.policy.graph_safe_filling or _all_full(run.cache))
+                    all(p.graph_safe_filling for p in run.policies()) or _all_full(run.cache))
                 if i > 0:        # a graph replays its capture at later steps: no host bound
                     end = None if graphed else width + i
                     inputs = [self._step_input(next_pos[b] + (i - 1), None, limit, end)
@@ -316,20 +330,21 @@ class Engine:
             pos_end = None if pos_end is None else min(pos_end, limit)
         return self.model.step_input(pos, valid, pos_end)
 
-    def _allocate_cache(self, layout: Layout, sizes: list[int], tiers: list[str],
-                        policy: Policy) -> list[list[KVBuffer]]:
-        """cache[k][j]: GPU batch k's buffer of block j, in its home tier tiers[k], with the
-        policy's declared state; the layers of a batch whose cache stays where attention runs
-        share one stacked buffer when the policy `stacks` (`_commit_stacks`)."""
-        cache, fields = [], policy.fields(layout)
+    def _allocate_cache(self, layers: list, sizes: list[int], tiers: list[str]
+                        ) -> list[list[KVBuffer]]:
+        """cache[k][j]: GPU batch k's buffer of block j (its `LayerSpec` layers[j]), in its
+        home tier tiers[k], with its policy's declared state; the layers of a batch whose cache
+        stays where attention runs share one stacked buffer when they are alike and their
+        policy `stacks` (`_commit_stacks`)."""
+        cache = []
         for tier, size in zip(tiers, sizes):
             alloc = self.tiers.alloc(tier)
             # compressed: K and V start in ordinary memory, only their 4-bit parts go to the
             # tier (allocated there, they would hold tier memory until the run ends)
             kv_alloc = _in_ram if self.placement.compress_cache else alloc
             memory = Memory(self.model.device, alloc, kv_alloc)
-            stacked = self._stacks(policy, layout, tier)
-            bufs = allocate(self.model, layout, size, memory, fields, stacked)
+            stacked = self._stacks(layers, tier)
+            bufs = allocate_layers(self.model, layers, size, memory, stacked)
             if self.placement.compress_cache:
                 put = lambda x, tier=tier: self.tiers.put(tier, x)   # noqa: E731
                 for b in bufs:
@@ -337,12 +352,14 @@ class Engine:
             cache.append(bufs)
         return cache
 
-    def _stacks(self, policy: Policy, layout: Layout, tier: str) -> bool:
-        """A batch's layers share one stacked buffer (kv.LayerRows) when the policy `stacks`
-        and evicts, and decode computes on its cache home in `tier` itself (`Placement.in_place`),
-        on a device whose hot path is the PyTorch reference: the extension's kernels index
-        contiguous buffers, and a layer's rows of a stack are a strided view."""
-        return (self.stack_layers and policy.stacks and layout.evicts
+    def _stacks(self, layers: list, tier: str) -> bool:
+        """A batch's layers share one stacked buffer (kv.LayerRows) when they run one policy
+        over one layout (`layers.uniform`), the policy `stacks` and evicts, and decode computes
+        on its cache home in `tier` itself (`Placement.in_place`), on a device whose hot path is
+        the PyTorch reference: the extension's kernels index contiguous buffers, and a layer's
+        rows of a stack are a strided view."""
+        policy, layout = layers[0].policy, layers[0].layout
+        return (self.stack_layers and uniform(layers) and policy.stacks and layout.evicts
                 and self.placement.in_place(tier)
                 and ext.backend(self.tiers.device(tier)) == ext.REFERENCE)
 
@@ -387,10 +404,10 @@ class Engine:
             stack = batch[0].stack
             if stack is not None:
                 with run.clock:
-                    run.policy.commit(stack, stack.incoming_slot())
+                    run.policy_of(0).commit(stack, stack.incoming_slot())
 
     # ------------------------------------------------------------------ CUDA graphs
-    def _graphable(self, run: Run, layout: Layout, steps: int) -> bool:
+    def _graphable(self, run: Run, steps: int) -> bool:
         """Decode steps may run as CUDA graphs (graphs.py): a CUDA device, --cuda-graphs, a
         graph_safe policy whose buffers fill up (else no host state repeats) or whose hooks are
         graph-safe while they fill (`full`), every weight, buffer and activation resident on
@@ -399,8 +416,9 @@ class Engine:
         p = self.placement
         resident = all(h.tier == "gpu" and not isinstance(h.data, Packed4bit)
                        for hs in self.homes for h in hs.values())
-        return (self.Graphs.supports(self.tiers.compute) and p.cuda_graphs
-                and run.policy.graph_safe and (layout.evicts or run.policy.graph_safe_filling)
+        alike = all(s.policy.graph_safe and (s.layout.evicts or s.policy.graph_safe_filling)
+                    for s in run.layers)
+        return (self.Graphs.supports(self.tiers.compute) and p.cuda_graphs and alike
                 and resident
                 and set(run.cache_tiers) == {"gpu"} and not p.compress_cache
                 and p.act_tier == "gpu"
@@ -434,7 +452,7 @@ class Engine:
             return m.mlp_half(w, h)
         if buf is not None and buf.device != h.device and inp.valid is None:
             self._count_shipping(h.shape[0])
-        h = m.attention_half(w, h, inp, buf, run.policy, run.clock)
+        h = m.attention_half(w, h, inp, buf, run.policy_of(stage.layer), run.clock)
         return m.mlp_half(w, h) if stage.kind == "block" else h
 
     # ------------------------------------------------------------------ cache
@@ -458,7 +476,8 @@ class Engine:
         work = run.pool[slot]
         dst = self.placement.work_tier(tier)
         dev = self.tiers.device(dst)
-        if work is None or work.device != dev or work.valid.shape != home.valid.shape:
+        if (work is None or work.device != dev or work.valid.shape != home.valid.shape
+                or work.layout != home.layout or work.fields != home.fields):
             work = run.pool[slot] = _like(home, dev)
         previous = run.stored[slot]
 
@@ -586,9 +605,9 @@ def check_length(config, prompt_len: int, new_tokens: int):
 
 def allocate(model: Transformer, layout: Layout, batch: int, memory: Memory | None = None,
              fields=(), stacked: bool = False) -> list[KVBuffer]:
-    """One KV buffer per layer of `layout` for `batch` sequences with the policy's declared
-    state `fields`, in `memory` (default: zeros on the model's device; kv.Memory); stacked:
-    every layer's rows in one buffer, each layer's a view (`KVBuffer.layers`)."""
+    """One KV buffer per layer, every one of `layout`, for `batch` sequences with the policy's
+    declared state `fields`, in `memory` (default: zeros on the model's device; kv.Memory);
+    stacked: every layer's rows in one buffer, each layer's a view (`KVBuffer.layers`)."""
     c = model.config
     rows, where = batch * c.num_kv_heads, memory or model.device
     if stacked:
@@ -597,6 +616,20 @@ def allocate(model: Transformer, layout: Layout, batch: int, memory: Memory | No
         return stack.layers(c.num_layers)
     return [KVBuffer(layout, rows, c.dim_head, model.dtype, where, kv_heads=c.num_kv_heads,
                      layer=j, fields=fields) for j in range(c.num_layers)]
+
+
+def allocate_layers(model: Transformer, layers: list, batch: int, memory: Memory | None = None,
+                    stacked: bool = False) -> list[KVBuffer]:
+    """`allocate` with each layer's own layout and policy state (its `LayerSpec`); stacked
+    only for layers alike (`layers.uniform`)."""
+    first = layers[0]
+    if stacked or uniform(layers):
+        return allocate(model, first.layout, batch, memory, first.policy.fields(first.layout),
+                        stacked)
+    c = model.config
+    rows, where = batch * c.num_kv_heads, memory or model.device
+    return [KVBuffer(s.layout, rows, c.dim_head, model.dtype, where, kv_heads=c.num_kv_heads,
+                     layer=j, fields=s.policy.fields(s.layout)) for j, s in enumerate(layers)]
 
 
 def _place(tiers: Tiers, tier: str, name: str, t: torch.Tensor, pack: bool, placement) -> Home:

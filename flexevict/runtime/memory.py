@@ -62,12 +62,17 @@ def _numel(shape) -> int:
 
 class MemoryPlan:
     """Estimated bytes per tier for one run: n sequences of prompt_len + gen_len tokens with
-    `slots` KV slots per (sequence, layer, kv head), and `history` tokens of K/V per row that
-    stay with each cache home besides its buffer (recall's, `Layout.home_tokens`)."""
+    `slots` KV slots per (sequence, layer, kv head) (an int: every layer's; a list: each
+    layer's own, `layers.layer_slots`: a sliding layer's window), and `history` tokens of K/V
+    per row that stay with each cache home besides its buffer (recall's,
+    `Layout.home_tokens`)."""
 
     def __init__(self, config, placement, dtype, n, prompt_len, gen_len, slots, history=0):
         self.config, self.placement, self.dtype = config, placement, dtype
-        self.n, self.prompt_len, self.gen_len, self.slots = n, prompt_len, gen_len, slots
+        self.layer_slots = ([slots] * config.num_layers if isinstance(slots, int)
+                            else list(slots))
+        self.n, self.prompt_len, self.gen_len = n, prompt_len, gen_len
+        self.slots = max(self.layer_slots)            # the largest layer's
         self.history = history
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.sizes = placement.batch_split(n)
@@ -109,20 +114,26 @@ class MemoryPlan:
         groups = outer * math.ceil(last / GROUP)
         return [groups * GROUP // 2, groups * self.elem, groups * self.elem]
 
-    def _buffer_tensors(self, batch: int, compressed: bool) -> list[int]:
-        """Bytes of each tensor of one layer's KV buffer for `batch` sequences (slots include
-        the scratch slot): K and V (or their 4-bit parts), score, state, pos, valid."""
-        n = self.slots * batch * self.config.num_kv_heads
+    def _buffer_tensors(self, batch: int, compressed: bool, slots: int | None = None
+                        ) -> list[int]:
+        """Bytes of each tensor of one layer's KV buffer of `slots` (default: the largest
+        layer's, scratch included) for `batch` sequences: K and V (or their 4-bit parts),
+        score, state, pos, valid."""
+        n = (slots or self.slots) * batch * self.config.num_kv_heads
         d = self.config.dim_head
         kv = self._packed(n, d) if compressed else [n * d * self.elem]
         return 2 * kv + [4 * n, 4 * n, 4 * n, n]
 
-    def _buffer_bytes(self, batch: int, compressed: bool, pinned: bool = False) -> int:
-        return host_bytes(self._buffer_tensors(batch, compressed), pinned)
+    def _buffer_bytes(self, batch: int, compressed: bool, pinned: bool = False,
+                      slots: int | None = None) -> int:
+        return host_bytes(self._buffer_tensors(batch, compressed, slots), pinned)
+
+    def _layers_bytes(self, batch: int, compressed: bool, pinned: bool = False) -> int:
+        """Every layer's buffer for `batch` sequences, each at its own slots."""
+        return sum(self._buffer_bytes(batch, compressed, pinned, s) for s in self.layer_slots)
 
     def cache_bytes(self) -> int:
-        return sum(self.config.num_layers * self._buffer_bytes(b, self.placement.compress_cache)
-                   for b in self.sizes)
+        return sum(self._layers_bytes(b, self.placement.compress_cache) for b in self.sizes)
 
     def needs(self, device=None) -> dict:
         """Estimated bytes in each tier: homes plus the compute device's working set (on
@@ -147,9 +158,8 @@ class MemoryPlan:
         homes = p.cache_tiers(len(self.sizes))
         history = 2 * self.history * c.num_kv_heads * c.dim_head * self.elem   # K and V
         for tier, b in zip(homes, self.sizes):
-            tiers[tier] += c.num_layers * (self._buffer_bytes(b, p.compress_cache,
-                                                               pinned and tier == "cpu")
-                                           + b * history)
+            tiers[tier] += (self._layers_bytes(b, p.compress_cache, pinned and tier == "cpu")
+                            + c.num_layers * b * history)
         for work in {p.work_tier(t) for t in homes if not p.in_place(t)}:
             tiers[work] += POOL * self._buffer_bytes(max(self.sizes), False)
         return tiers
@@ -222,7 +232,7 @@ class MemoryPlan:
         free = disk_free(p.offload_dir)
         plan = lambda **change: MemoryPlan(self.config, dataclasses.replace(p, **change),  # noqa: E731
                                            self.dtype, self.n, self.prompt_len, self.gen_len,
-                                           self.slots)
+                                           self.layer_slots)
         act = self.activation_part(pinned)
         pairs = [(g, c) for g in range(0, 101, step) for c in range(0, 101 - g, step)]
         for cw, cc in dict.fromkeys([(p.compress_weight, p.compress_cache),

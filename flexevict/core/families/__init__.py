@@ -9,12 +9,13 @@ family is its module plus one line in FAMILIES.
 from __future__ import annotations
 
 from flexevict.core.families.base import Family
+from flexevict.core.families.gemma3 import Gemma3
 from flexevict.core.families.llama import LLaMA
 from flexevict.core.families.opt import OPT
 from flexevict.core.families.qwen3 import Qwen3
 from flexevict.errors import UserError
 
-FAMILIES: dict[str, Family] = {f.arch: f for f in (OPT(), LLaMA(), Qwen3())}
+FAMILIES: dict[str, Family] = {f.arch: f for f in (OPT(), LLaMA(), Qwen3(), Gemma3())}
 MODEL_TYPES = {t: f for f in FAMILIES.values() for t in f.model_types}   # HF model_type -> family
 
 

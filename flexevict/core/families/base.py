@@ -1,6 +1,8 @@
 """What a model family is to the engine (`Family`): one object per family, no state."""
 from __future__ import annotations
 
+from flexevict.errors import UserError
+
 
 class Family:
     """A decoder family: weights in HF naming, a block's computation, its config.json.
@@ -92,3 +94,28 @@ def parts_of(names: dict, prefix: str):
 def unless_default(value, default):
     """None when a config value is absent or equals what the architecture derives anyway."""
     return None if value in (None, default) else value
+
+
+HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "global"}
+
+
+def layer_types(cfg: dict, name: str, default) -> tuple:
+    """The per-layer attention kinds of an HF config ("sliding" or "global" per layer): its
+    `layer_types` list, else default(i) for layer i (a family's own rule); () when no layer
+    slides (then every layer is global) or the config has no sliding window."""
+    if not cfg.get("sliding_window"):
+        return ()
+    given = cfg.get("layer_types")
+    n = cfg["num_hidden_layers"]
+    kinds = [HF_LAYER_TYPES.get(t) for t in given] if given else \
+        ["sliding" if default(i) else "global" for i in range(n)]
+    if None in kinds or len(kinds) != n:
+        raise UserError(f"{name}: layer_types {given} not understood (sliding_attention or "
+                        f"full_attention per layer, {n} layers)")
+    return tuple(kinds) if "sliding" in kinds else ()
+
+
+def hf_layer_types(c) -> list | None:
+    """`layer_types` the other way, for a config.json."""
+    inverse = {v: k for k, v in HF_LAYER_TYPES.items()}
+    return [inverse[t] for t in c.layer_types] if c.layer_types else None

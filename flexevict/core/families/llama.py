@@ -1,12 +1,13 @@
 """LLaMA (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models") and the
 families that only vary it: RMSNorm before each half, RoPE, SwiGLU MLP, no biases, an untied
-head; Mistral (a sliding window, read as the maximum length: runs longer are refused) and Qwen2
-(q/k/v biases)."""
+head; Mistral (a sliding window on every layer) and Qwen2 (q/k/v biases, a sliding window on its
+upper layers when `use_sliding_window`)."""
 from __future__ import annotations
 
 import torch.nn.functional as F
 
-from flexevict.core.families.base import Family, fused_qkv, parts_of, unless_default
+from flexevict.core.families.base import (Family, fused_qkv, hf_layer_types, layer_types,
+                                           parts_of, unless_default)
 from flexevict.core.ops import linear, rms_norm
 from flexevict.errors import UserError
 
@@ -93,10 +94,9 @@ class LLaMA(Family):
             scaling = None
         theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
         max_pos = cfg.get("max_position_embeddings", 4096)
-        window = cfg.get("sliding_window")
-        if window and (mtype == "mistral" or cfg.get("use_sliding_window")):
-            max_pos = min(max_pos, window)     # no sliding-window attention: refuse longer runs
-        return dict(arch=self.arch,
+        kinds = self._layer_types(cfg, name)
+        return dict(arch=self.arch, layer_types=kinds,
+                    sliding_window=cfg["sliding_window"] if kinds else None,
                     num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                     ffn_size=cfg["intermediate_size"], max_positions=max_pos,
                     norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
@@ -106,14 +106,25 @@ class LLaMA(Family):
                                             cfg["hidden_size"] // cfg["num_attention_heads"]),
                     tie_embeddings=cfg.get("tie_word_embeddings", False))
 
+    def _layer_types(self, cfg: dict, name: str) -> tuple:
+        """Mistral's window slides on every layer; Qwen2's (when `use_sliding_window`) on the
+        layers from `max_window_layers` on, unless the config lists its `layer_types`."""
+        if cfg.get("model_type") != "mistral" and not cfg.get("use_sliding_window"):
+            return ()
+        first = cfg.get("max_window_layers", 0) if cfg.get("model_type") != "mistral" else 0
+        return layer_types(cfg, name, lambda i: i >= first)
+
     def to_hf(self, c):
         qwen = c.qkv_bias and not c.attention_bias     # q/k/v-only biases are Qwen2's layout
-        return dict(model_type="qwen2" if qwen else "llama",
-                    architectures=["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        kind = "qwen2" if qwen else ("mistral" if c.layer_types else "llama")
+        name = {"qwen2": "Qwen2", "mistral": "Mistral", "llama": "Llama"}[kind]
+        return dict(model_type=kind, architectures=[f"{name}ForCausalLM"],
                     **self._rope_and_sizes(c))
 
     def _rope_and_sizes(self, c) -> dict:
-        return dict(num_key_value_heads=c.num_kv_heads, intermediate_size=c.ffn_size,
+        window = dict(sliding_window=c.sliding_window, layer_types=hf_layer_types(c),
+                      use_sliding_window=True) if c.layer_types else {}
+        return dict(**window, num_key_value_heads=c.num_kv_heads, intermediate_size=c.ffn_size,
                     rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
                     attention_bias=c.attention_bias, mlp_bias=c.mlp_bias, head_dim=c.dim_head,
                     hidden_act="silu")
