@@ -256,3 +256,16 @@ def test_a_gpu_memory_limit_without_a_gpu_is_said_in_one_line(tiny_dir, ran):  #
     proc = _generate(tiny_dir, "--device", "cpu", "--gpu-mem-limit", "16")
     assert proc.returncode == 0, proc.stderr
     assert [ln for ln in proc.stderr.splitlines() if ln.startswith("note: --gpu-mem-limit 16")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_planning_for_a_gpu_on_a_cpu_machine_names_the_calibration_file(tmp_path):
+    """`plan --device cuda` here, with no calibration named, has no GPU to calibrate: one line
+    naming the way to plan for one (the first try printed a traceback from torch.cuda)."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "FLEXEVICT_CALIBRATION"}
+    env["FLEXEVICT_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "flexevict.plan", "--model", "opt-30b",
+                           "--device", "cuda", "--percent", "auto"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert_user_error(proc, "--calibration", "--synthetic h100", "GPU")

@@ -279,7 +279,8 @@ class Transformer:
         window = window if window is not None and window < s else None   # else it never binds
         scores = None
         if policy.wants_prompt_scores(buf.layout):   # the scores come with the output
-            assert window is None, "a sliding layer's window ring ranks no prompt"
+            if window is not None:     # layers.py gives a binding window `local`, never this
+                raise ValueError("a sliding layer's window ring ranks no prompt")
             fold = (None if policy.prompt_scores is None
                     else functools.partial(policy.prompt_scores, buf.layout))
             out, scores = kernels.prefill_attention_scores(q, k, v, inp.valid, scale, fold)
@@ -472,12 +473,13 @@ def window_mask(s: int, window: int, device) -> torch.Tensor:
 
 def attend(q: torch.Tensor, buf: KVBuffer, n: int, scale: float, keys=None,
            score: bool = False):
-    """Decode attention over the buffer's first n slots (`kernels.decode_attention`).
+    """Decode attention over the buffer's first n slots (`kernels.split_decode_attention`: the
+    split-slot kernel on a GPU, its torch reference elsewhere).
 
     q: (R, g, d); keys: (n, R, d) to use instead of the cached keys (in-cache RoPE)
     -> out (R, g, d), probs (R, g, n) fp32 (policies sum over g for a kv head).
     score: also add probs, summed over g, to buf.score[:n] in the same kernel (for a policy
     that `accumulates_attention`; it is then told `scored=True`).
     """
-    return kernels.decode_attention(q, buf.k[:n] if keys is None else keys, buf.v[:n],
-                                    buf.valid[:n], scale, buf.score if score else None)
+    return kernels.split_decode_attention(q, buf.k[:n] if keys is None else keys, buf.v[:n],
+                                          buf.valid[:n], scale, buf.score if score else None)

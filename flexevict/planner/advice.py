@@ -43,9 +43,10 @@ def here(device, path: str | None = None, threads: int | None = None):
         return calibration.read_file(path, threads)
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: this machine has no CUDA GPU to calibrate; plan "
-                        "for one from a calibration file (python -m flexevict.calibrate "
-                        "--synthetic h100 --out h100.json, then --calibration h100.json)")
+        raise UserError(f"{setting('device')} {device}: this machine has no CUDA GPU to "
+                        "calibrate; plan for one from a calibration file (`python -m "
+                        "flexevict.calibrate --synthetic h100 --out h100.json`, then "
+                        f"{setting('calibration')} h100.json)")
     return calibration.cached(device, threads)
 
 

@@ -78,10 +78,11 @@ def decode_attention(q, k, v, valid, scale: float, score=None):
     slot i gains its probability summed over the g query heads (H2O's accumulation, fused).
     -> out (R, g, d), probs (R, g, n) fp32. A row with no valid slot gets zeros.
 
-    Torch ops on every device (batched GEMMs and one softmax): on an H200 they ran 5-7x faster
-    than the extension's decode kernel at OPT-6.7B/30B shapes (bench/results/README.md, the
-    kernel table), so the model calls this and the kernel is kept, tested and timed apart as
-    `decode_attention_kernel` until it is rewritten to split the slots across blocks.
+    Torch ops on every device (batched GEMMs and one softmax): the specification the kernels
+    are tested against. The model calls `split_decode_attention` (the same contract; on a GPU
+    the split-slot kernel, which passed its 140 GPU tests on an H200, 2026-11-28). The older
+    one-block-per-row kernel (5-7x slower than these ops on an H200) is kept, tested and timed
+    apart as `decode_attention_kernel`.
     """
     _check_decode_attention(q, k, v, valid, score)
     return reference.decode_attention(q, k, v, valid, scale, score)
