@@ -50,7 +50,8 @@ setup(
               "flexevict.runtime", "flexevict.policies", "flexevict.cuda_sources"],
     package_dir={"flexevict": "flexevict", "flexevict.policies": "policies",
                  "flexevict.cuda_sources": "cuda"},
-    package_data={"flexevict.cuda_sources": CUDA_SOURCES},
+    package_data={"flexevict.cuda_sources": CUDA_SOURCES,
+                  "flexevict.policies": ["calibration/*.pt"]},   # triattention's shipped
     python_requires=">=3.10",
     install_requires=["numpy", "tqdm", "tokenizers", "safetensors", "gguf", "nvidia-ml-py",
                       "jinja2"],          # --chat renders the model's own Jinja2 chat template

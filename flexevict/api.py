@@ -131,7 +131,7 @@ class LLM:
         --gpu-batch-size) -> (generated ids per prompt, the policy's resolved budget).
         max_new_tokens, sampling: one for all prompts or one per prompt (each then sampling
         with a generator of its own, from its seed); watch: see `generation.generate`."""
-        pol = as_spec(policy).make()
+        pol = as_spec(policy).make().for_model(self.config)
         stop = tuple(self.config.eos_token_ids) if stop_ids is None else tuple(stop_ids)
         outs = generate(self.engine, encoded, max_new_tokens, pol, sampling, stop, self.pad_id,
                         watch)
@@ -155,7 +155,7 @@ class LLM:
         budget as resolved, `Policy.describe`)."""
         if len(ids) < 2:
             raise UserError(f"text has {len(ids)} token(s); perplexity needs at least 2")
-        pol = as_spec(policy).make()
+        pol = as_spec(policy).make().for_model(self.config)
         show = self.progress if progress is None else progress
         nll, layout = stream_nll(self.engine, [ids], pol, prefill_tokens, progress=show)
         mean = float(nll.double().mean())

@@ -16,5 +16,6 @@ from flexevict.policies import (full, local, streaming, h2o, tova, scissorhands,
                                 vatp, hashevict, cascade, recall)
 from flexevict.policies import keydiff  # noqa: E402,F401
 from flexevict.policies import snapkv  # noqa: E402,F401
+from flexevict.policies import triattention  # noqa: E402,F401
 
 __all__ = ["POLICIES", "Policy", "PolicySpec", "get_policy", "register"]

@@ -115,6 +115,12 @@ class Policy:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.init and f.name not in BUDGET_FIELDS}
 
+    def for_model(self, config) -> "Policy":
+        """This policy for a run of the model `config` (a `ModelConfig`): the engine calls it
+        before a run. A policy that needs per-model data (TriAttention's query statistics)
+        returns a copy bound to it; default: itself."""
+        return self
+
     # ------------------------------------------------------------------ sizing
     def minimum_slots(self) -> int:
         return self.min_slots

@@ -214,7 +214,8 @@ def test_warmup_runs_the_policy_under_test_and_it_evicts(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["h2o", "buzz", "cascade", "hashevict", "vatp", "tova",
-                                  "scissorhands", "recall"])
+                                  "scissorhands", "recall", "keydiff", "snapkv",
+                                  "triattention"])
 def test_warmup_policy_evicts_at_the_warmup_length(name):
     from flexevict.bench.throughput import WARMUP_PROMPT, WARMUP_TOKENS, warmup_policy
     from flexevict.policies import PolicySpec

@@ -366,7 +366,8 @@ def test_scored_attention_of_a_sequence_alone_and_in_a_padded_batch():
 
 
 FOLDS = {"cascade": {}, "tova": {}, "scissorhands": {"window": 6},
-         "scissorhands-attention": {"score": "attention", "window": 6}}
+         "scissorhands-attention": {"score": "attention", "window": 6},
+         "snapkv": {"window": 5}}
 
 
 @pytest.mark.parametrize("case", FOLDS)
@@ -423,7 +424,7 @@ def eager_scored_attention(q, k, v, valid, scale, fold=None, block=None):
     return out.transpose(1, 2), colsum
 
 
-SCORED = ["h2o", "buzz", "buzz-logn", "tova", "scissorhands", "cascade", "vatp"]
+SCORED = ["h2o", "buzz", "buzz-logn", "tova", "scissorhands", "cascade", "vatp", "snapkv"]
 
 
 @pytest.mark.parametrize("arch", CONFIGS)

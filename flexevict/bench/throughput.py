@@ -115,7 +115,7 @@ def run(args) -> dict:
     if not args.ignore_max_positions:          # before the weights load, not after
         check_length(config, args.prompt_len, steps)
     spec = policy_spec(args)
-    policy = spec.make()
+    policy = spec.make().for_model(config)
     layout = policy.layout(args.prompt_len, args.gen_len)
     slots = layer_slots(layer_specs(config, policy, args.prompt_len, args.gen_len, layout))
     plan = MemoryPlan(config, placement, dtype, n, args.prompt_len, args.gen_len, slots,

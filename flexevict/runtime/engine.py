@@ -270,6 +270,7 @@ class Engine:
         wrap_positions (bench --ignore-max-positions, timing only): positions past the model's
         maximum wrap around instead of being refused; the output is then meaningless.
         """
+        policy = policy.for_model(self.config)     # per-model data (TriAttention's statistics)
         tokens, valid, pos = left_pad(prompts, pad_id, self.tiers.compute)
         if not wrap_positions:
             check_length(self.config, max(len(x) for x in prompts), plan_steps or steps)
