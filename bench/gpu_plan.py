@@ -106,6 +106,17 @@ def a100_table() -> list[Step]:
                                            1.5))]
 
 
+def methods_2026() -> list[Step]:
+    """The eviction methods engines ship in 2026 beside `h2o`, on H2O's A100 case (OPT-6.7B
+    2048 + 2048, batch 24, 20%, graphed where the policy is graph-safe), 256 steps run."""
+    base = ["--model", "opt-6.7b", "--prompt-len", "2048", "--gen-len", "2048", "--percent",
+            "100", "0", "100", "0", "100", "0", "--gpu-batch-size", "24", "--num-gpu-batches",
+            "1", "--ignore-max-positions", "--cut-gen-len", "256", "--budget", "0.2", "--yes"]
+    return [Step(f"opt-6.7b-2048+2048-bs24-{p}-cut256", "methods-2026", "engine",
+                 base + ["--policy", p], 1.0)
+            for p in ("h2o", "keydiff", "snapkv", "triattention")]
+
+
 def llama70b() -> list[Step]:
     """A 70B-class model (Llama-3-70B shapes), 2048 + 256, at the planner's placement and
     batch under the machine's own memory: `h2o` 20% against `full`."""
@@ -129,7 +140,7 @@ def steps() -> list[Step]:
     kernels = Step("kernels", "kernels", "command",
                    [py, "-m", "flexevict.bench.kernels", "--json", "{OUT}"], 1.0)
     return ([build, tests, calibration] + headline(512, 512) + headline(512, 32) + a100_table()
-            + [kernels] + llama70b())
+            + [kernels] + methods_2026() + llama70b())
 
 
 # ---------------------------------------------------------------------------- running
