@@ -198,7 +198,8 @@ def run_step(step: Step, base: str, env: dict, seconds_left: float) -> dict:
     if result is not None:
         row["result"] = result           # a test run's counts, also where some failed
     if rc != 0 or (result is None and step.kind != "command"):
-        row["error"] = tail[-1] if tail else f"exit {rc}"
+        # a step that wrote a result (a test run's counts) says so there; else its last line
+        row["error"] = tail[-1] if tail and result is None else f"exit {rc}"
     return row
 
 
@@ -290,3 +291,22 @@ def list_plan() -> None:
     """`--list`: every step and its command, nothing run."""
     for s in steps():
         print(f"gpu/{s.name} ({s.minutes:g} min): {' '.join(s.command('OUT'))}")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from flexevict.errors import cli_errors
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="results folder")
+    ap.add_argument("--max-minutes", type=float, default=None, metavar="M",
+                    help="start no step that would not end within M minutes")
+    ap.add_argument("--only", default=None, help="the steps whose name contains this")
+    ap.add_argument("--list", action="store_true", help="print the steps, run nothing")
+    args = ap.parse_args()
+    if args.list:
+        list_plan()
+        sys.exit(0)
+    with cli_errors("bench/gpu_plan.py"):
+        sys.exit(run_plan(args.out, args.max_minutes, args.only))

@@ -1,7 +1,14 @@
 """The GPU plan's tables (bench/gpu_plan.py): one per group of steps, every ratio between steps
-of one run on one machine."""
+of one run on one machine.
+
+    python bench/gpu_tables.py DIR     # the tables again from DIR/gpu/<step>_<device>.json
+"""
 from __future__ import annotations
 
+import argparse
+import glob
+import json
+import os
 import statistics
 
 
@@ -91,3 +98,29 @@ def _flexgen_batch(r: dict) -> int | None:
                 * int(words[words.index("--num-gpu-batches") + 1]))
     except (ValueError, IndexError):
         return None
+
+
+def rebuild(out: str) -> str:
+    """The tables of the plan's results under `out` (every step row in out/gpu, or in `out`
+    itself as in a committed run's folder, in the plan's order)."""
+    from gpu_plan import steps
+    folder = os.path.join(out, "gpu") if os.path.isdir(os.path.join(out, "gpu")) else out
+    rows = []
+    for path in glob.glob(os.path.join(folder, "*.json")):
+        if not path.endswith(".result.json"):
+            with open(path) as f:
+                row = json.load(f)
+            if "step" in row:
+                rows.append(row)
+    if not rows:
+        raise SystemExit(f"{out}: no GPU plan step results there (<step>_<device>.json)")
+    order = {s.name: i for i, s in enumerate(steps())}
+    rows.sort(key=lambda r: order.get(r["step"], len(order)))
+    return tables(rows, rows[0])
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="a GPU plan's results folder (its gpu/ or a committed copy)")
+    print(rebuild(ap.parse_args().out))

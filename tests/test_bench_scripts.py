@@ -115,6 +115,19 @@ def check_profile(out, stdout, tmp):
     assert "opt-125m batch 2, h2o (6 slots)" in stdout     # a CPU has no kernel table
 
 
+def check_gpu_plan(out, stdout, tmp):
+    lines = stdout.splitlines()
+    assert lines and all(ln.startswith("gpu/") for ln in lines)
+    assert any(ln.startswith("gpu/opt-30b-512+512-h2o-0.2 ") and "--budget 0.2" in ln
+               for ln in lines)
+
+
+def check_gpu_tables(out, stdout, tmp):
+    assert stdout.startswith("# GPU plan on NVIDIA H200")                  # the committed run
+    assert "| opt-30b-512+512-full | 10 90 30 70 100 0 2x16  | 32 |" in stdout
+    assert "| 16.04 | 1.24 |" in stdout
+
+
 def check_help(out, stdout, tmp):
     assert stdout.startswith("usage:")
 
@@ -187,6 +200,11 @@ CASES = {
     "accuracy/peer.py": (["export", "--out", "OUT"], check_peer_export),
     # FlexGen 0.1.8 runs only on CUDA, from its own environment: its command line only
     "peers/flexgen_peer.py": (["--help"], check_help),
+    # the GPU plan's steps (running them needs a GPU); its tables from the committed run
+    "gpu_plan.py": (["--list"], check_gpu_plan),
+    "gpu_tables.py": ([os.path.join(BENCH, "results", "gpu-2026-11-28")], check_gpu_tables),
+    # the authors' TriAttention lives in its own environment: its command line only
+    "peer_triattention.py": (["--help"], check_help),
     "peers/hf_generate.py": (["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2",
                               "--gpu-batch-size", "2", "--device", "cpu", "--json", "OUT"],
                              check_hf_generate),
