@@ -133,7 +133,7 @@ def _timed_shapes(monkeypatch, quick: bool, device="cpu") -> dict:
     from flexevict.core import model
     seen = {"decode": [], "prefill": [], "ring": []}
     monkeypatch.setattr(calibration, "best_time", lambda fn, *a, **k: (fn(), 0.5)[1])
-    monkeypatch.setattr(kernels, "decode_attention",
+    monkeypatch.setattr(kernels, "split_decode_attention",     # the model's decode attention
                         lambda q, k, v, *a, **kw: seen["decode"].append(k.shape[0])
                         or seen["ring"].append((k.shape[0], k.data_ptr(), v.data_ptr())))
     monkeypatch.setattr(calibration, "decode_ring_bytes", lambda device: 64 << 20)
