@@ -117,6 +117,18 @@ def test_graphed_steps_give_the_eager_tokens(arch, name, rerun):
     assert stats.graph_captures == 1
 
 
+@pytest.mark.parametrize("name", GRAPH_SAFE)
+def test_graphed_steps_per_layer_give_the_eager_tokens(name, rerun, monkeypatch):
+    """The layers' buffers apart, as on a GPU (a CPU stacks them where the policy `stacks`):
+    each layer's hooks run their per-layer path (`after_attention` observes and commits)."""
+    monkeypatch.setattr(Engine, "stack_layers", False)
+    prompts, policy = rand_prompts([30, 25, 40], seed=3), _policy(name)
+    ref, _ = run(_engine("llama-gqa", graphs=False), prompts, 40, policy)
+    tokens, stats = run(_engine("llama-gqa", graphs=True), prompts, 40, policy)
+    assert tokens == ref and stats.graphed == [False] + [True] * 39
+    assert stats.graph_captures == 1
+
+
 @pytest.mark.parametrize("arch", CONFIGS)
 def test_graphed_hashevict_with_codes_beside_the_buffer(arch, rerun):
     """HashEvict's codes of more than 24 bits live in their own field, moved with the ring's
@@ -208,6 +220,12 @@ def test_a_step_that_cannot_be_captured_runs_eagerly(monkeypatch, capsys, short_
     assert err.count("CUDA graphs are off for this run") == 1 and "not permitted" in err
 
 
+@dataclasses.dataclass(frozen=True)
+class _Unsafe(H2O):
+    """h2o's hooks declared not graph_safe."""
+    graph_safe = False
+
+
 @pytest.mark.parametrize("case", ["flag off", "not graph_safe", "weights on cpu",
                                   "cache on cpu", "budget holds all"])
 def test_graphs_only_where_a_step_can_be_replayed(case, rerun, tmp_path):
@@ -215,8 +233,7 @@ def test_graphs_only_where_a_step_can_be_replayed(case, rerun, tmp_path):
     if case == "flag off":
         flags = {"cuda_graphs": False}
     elif case == "not graph_safe":
-        policy = get_policy("cascade", budget_tokens=12)
-        assert not policy.graph_safe
+        policy = _Unsafe(budget_tokens=12)
     elif case == "weights on cpu":
         flags = {"w_gpu": 0, "w_cpu": 100}
     elif case == "cache on cpu":
