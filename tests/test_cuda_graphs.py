@@ -28,11 +28,14 @@ def _policy(name: str):
 
 
 class _Rerun:
-    """A replay that runs the step again from the host state it was captured at."""
+    """A replay that runs the step again from the host state it was captured at, the host
+    mirrors of the device's counters included: a real graph replays what its capture's Python
+    launched with the counters' values then, so a step that reads a mirror (say `buf.cursor`
+    where `buf.ring_cursor()` belongs) gives wrong tokens here as it would on a GPU."""
 
     def __init__(self, body, static):
         self.body, self.static, self.first = body, static, True
-        self.bufs = self.key = self.captured = None
+        self.bufs = self.key = self.captured = self.at_capture = None
 
     def replay(self):
         if self.first:                     # the capture itself ran the step
@@ -40,6 +43,7 @@ class _Rerun:
             return
         set_host_state(self.bufs, self.key)
         saved = mirrors(self.bufs)         # the host's counters: the graphs move them after
+        restore_mirrors(self.bufs, self.at_capture)
         out = self.body(self.static)
         for dst, src in zip(self.captured.outputs, out):
             dst.copy_(src)
@@ -70,9 +74,10 @@ class RerunGraphs(DecodeGraphs):
         return _Rerun(body, self.static), outputs
 
     def capture(self, bufs, key, body):
+        at_capture = mirrors(bufs)
         captured = super().capture(bufs, key, body)
         g = captured.graph
-        g.bufs, g.key, g.captured = bufs, key, captured
+        g.bufs, g.key, g.captured, g.at_capture = bufs, key, captured, at_capture
         return captured
 
 
@@ -127,6 +132,17 @@ def test_graphed_steps_per_layer_give_the_eager_tokens(name, rerun, monkeypatch)
     tokens, stats = run(_engine("llama-gqa", graphs=True), prompts, 40, policy)
     assert tokens == ref and stats.graphed == [False] + [True] * 39
     assert stats.graph_captures == 1
+
+
+def test_the_cpu_double_replays_the_counters_of_its_capture(rerun, monkeypatch):
+    """A step that indexes by the host mirror of the ring cursor (not `ring_cursor()`) would
+    replay its capture's slot on a GPU: the double re-runs it with that value too, so the
+    tokens differ from the eager ones."""
+    monkeypatch.setattr(kv.KVBuffer, "ring_cursor", lambda self: self.cursor)
+    prompts, policy = rand_prompts([30, 25, 40], seed=3), H2O(budget_tokens=24)
+    ref, _ = run(_engine("opt", graphs=False), prompts, 40, policy)
+    tokens, stats = run(_engine("opt", graphs=True), prompts, 40, policy)
+    assert all(stats.graphed[1:]) and tokens != ref
 
 
 @pytest.mark.parametrize("arch", CONFIGS)
