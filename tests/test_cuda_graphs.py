@@ -134,6 +134,23 @@ def test_graphed_steps_per_layer_give_the_eager_tokens(name, rerun, monkeypatch)
     assert stats.graph_captures == 1
 
 
+@pytest.mark.parametrize("args", [{"window": 6}, {"window": 20}, {"score": "attention",
+                                  "window": 6}, {"score": "attention", "window": 0},
+                                  {"base": "scissorhands", "window": 6}])
+@pytest.mark.parametrize("lengths", [[30, 25, 40], [12, 9]])
+def test_graphed_scissorhands_over_its_window(args, lengths, rerun):
+    """Scissorhands' history row (its step t mod the window) comes from a step counter kept on
+    the device in a graphed run: windows that wrap during the run (bits of several bytes),
+    both scores, no window, VATP over it; prompts that overflow the buffer, or fill it first
+    (eager steps, the counter on the host) and move the counter at the first graphed step."""
+    policy = get_policy("vatp" if "base" in args else "scissorhands", budget_tokens=24, **args)
+    prompts = rand_prompts(lengths, seed=5)
+    ref, _ = run(_engine("llama-gqa", graphs=False), prompts, 40, policy)
+    tokens, stats = run(_engine("llama-gqa", graphs=True), prompts, 40, policy)
+    assert tokens == ref and stats.graph_captures == 1
+    assert stats.graphed[-20:] == [True] * 20
+
+
 def test_the_cpu_double_replays_the_counters_of_its_capture(rerun, monkeypatch):
     """A step that indexes by the host mirror of the ring cursor (not `ring_cursor()`) would
     replay its capture's slot on a GPU: the double re-runs it with that value too, so the
