@@ -75,7 +75,8 @@ class Policy:
                                     # (flexevict/runtime/graphs.py)
     graph_safe_filling = False      # ... also while a buffer still fills: its hooks leave the
                                     # new token to KVBuffer.write and commit_appended, which
-                                    # index by the fill count kept on the device (`full`)
+                                    # index by the fill count kept on the device (`full`,
+                                    # `buzz`, whose passes set it there)
 
     def __post_init__(self):
         if self.budget is not None and not 0 < self.budget <= 1:

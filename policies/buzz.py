@@ -38,6 +38,13 @@ Decisions where the paper is silent or ambiguous:
 - Policy state beyond score/state: the declared field `counts` (`fields()`, `kv.Field`) in
   `buf.policy_state`, the rows' distinct (tokens, old tokens) on the host; `buf.state` = 1 marks
   old tokens.
+- CUDA graphs (`graph_safe`): the counts change every step, but by the rules alone, and what a
+  step launches depends only on its attention span (a pass runs iff the span exceeds k + w + T
+  or the token waits in the scratch slot). A graphed run keeps the fill count on the device
+  (the token is written and counted there, a pass sets it from the kept counts); `counts` and
+  the fill count are the buffer's host mirrors (`KVBuffer.mirrored`), moved after each replay
+  by `replay_host`. `buzz-logn` is not graph-safe: its logit scale is a host float that
+  changes with every step's token count.
 
 Notes: policies/README.md#buzz
 """
@@ -133,6 +140,8 @@ class Buzz(Policy):
     needs_prompt_scores = True
     accumulates_attention = True
     rope_in_cache = True
+    # the fill count moves on the device, the counts on the host by `replay_host`
+    graph_safe = graph_safe_filling = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -233,6 +242,7 @@ class Buzz(Policy):
         # rules alone (`pass_counts`), so decode knows every pass's outcome without reading the
         # device (these host reads, like the loop's, happen once per prefill)
         buf.policy_state["counts"] = _distinct(zip(live.sum(0).tolist(), old.sum(0).tolist()))
+        buf.mirrored, buf.replay_host = ("counts",), self.replay_host
 
     def observe(self, buf: KVBuffer, slot: int, probs: torch.Tensor, scored: bool = False
                 ) -> None:
@@ -244,17 +254,32 @@ class Buzz(Policy):
         if not lay.evicts:
             return buf.commit_appended(slot)
         n = buf.attended(slot)
+        counts, passes, used = self.step_counts(buf, slot, n)
         if slot != buf.scratch:
             buf.commit_appended(slot)
-        # every row holds the new token
-        counts = [(c + 1, a) for c, a in buf.policy_state["counts"]]
+        if passes:
+            self.evict(buf, n, used)
+        buf.policy_state["counts"] = counts
+
+    def step_counts(self, buf: KVBuffer, slot: int, n: int) -> tuple[tuple, bool, int]:
+        """The host's part of a decode step whose token is in `slot`, attending n slots:
+        -> (the rows' distinct counts after it, whether a pass runs, buf.used after it)."""
+        lay = buf.layout
+        counts = [(c + 1, a) for c, a in buf.policy_state["counts"]]   # each holds the token
         # buf.used is the longest row's count, so this is "some row's middle exceeds T"; a token
         # in scratch cannot stay there (it cannot happen without a pass when k+w+T+1 <= slots,
         # but compacting then still frees room, since no row holds more than k+w+T tokens)
         if n > lay.k + lay.w + lay.T or slot == buf.scratch:
             counts = [lay.pass_counts(c, a) for c, a in counts]
-            self.evict(buf, n, max(c for c, _ in counts))
-        buf.policy_state["counts"] = _distinct(counts)
+            return _distinct(counts), True, max(c for c, _ in counts)
+        return _distinct(counts), False, buf.used + 1
+
+    def replay_host(self, buf: KVBuffer) -> None:
+        """A replayed decode step's host part (its kernels moved the device's fill count):
+        the counts and the fill count as `commit` moves them (`KVBuffer.replay_host`)."""
+        slot = buf.incoming_slot()
+        counts, _, buf.used = self.step_counts(buf, slot, buf.attended(slot))
+        buf.policy_state["counts"] = counts
 
     # ------------------------------------------------------------------ the pass
     @staticmethod
@@ -291,6 +316,9 @@ class BuzzLogN(Buzz):
     base: int = 512
     name = "buzz-logn"
     batch_by_length = True          # the scale reads the padded key count at prefill
+    # log_512(n) of each step's token count: a host float the attention takes, which a CUDA
+    # graph would keep at its capture's value (policies/README.md, "CUDA graphs")
+    graph_safe = graph_safe_filling = False
 
     def logit_scale(self, n_keys: int) -> float:
         """log_base(n) (Sec. 3.5, eq. 7/8): exactly 1 at n = base (512, the pre-training length)."""

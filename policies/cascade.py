@@ -87,6 +87,7 @@ class Cascade(Policy):
     _schedules: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     name = "cascade"
     stacks = True
+    graph_safe = True
     needs_prompt_scores = True
     rope_in_cache = True
 

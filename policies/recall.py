@@ -94,6 +94,7 @@ class Recall(Policy):
     window: int = 64                # most recent tokens always attended (at least; at most a
                                     # quarter of the slots past sinks and summaries)
     name = "recall"
+    graph_safe = True
 
     def __post_init__(self):
         super().__post_init__()

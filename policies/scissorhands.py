@@ -27,8 +27,11 @@ Decisions where the paper is silent:
   kernels.prefill_attention_scores) into the last `window` prompt queries' statistic; when the
   prompt does not fit, Algorithm 2 runs once: the last `recent` prompt tokens stay, the rest are
   ranked.
-- Policy state beyond score/state is declared by `fields()` (`kv.Field`: `hist`, `step`) and
-  lives in `buf.policy_state[...]`.
+- Policy state beyond score/state is declared by `fields()` (`kv.Field`: `hist`, `step`,
+  `clock`) and lives in `buf.policy_state[...]`. The query step index that picks the window's
+  history row is a host int (`step`) until the buffer keeps its counters on the device (a
+  graphed run, `KVBuffer.keep_counters_on_device`); from then on it is `clock` there, so a
+  step's launches do not depend on it and one CUDA graph serves every step (`graph_safe`).
 
 Notes: policies/README.md#scissorhands
 """
@@ -54,6 +57,7 @@ class Scissorhands(RingPolicy):
     score: str = "count"
     name = "scissorhands"
     stacks = False                  # its step counter is host-held state (`fields`)
+    graph_safe = True               # the counter moves to the device with the ring cursor
     needs_prompt_scores = True
 
     def __post_init__(self):
@@ -93,12 +97,13 @@ class Scissorhands(RingPolicy):
     def fields(self, layout):
         # the next query's step index, and when the run evicts the window's history per slot
         # and row (count: one bit per query; attention: one fp32 per query; no window: none)
+        # and the step index where the buffer keeps its counters on the device (`_history_row`)
         if not layout.evicts:
             return (Field("step", init=0),)
         w = self.window
         hist = (Field("hist", ((w + 7) // 8, "slots", "rows"), torch.uint8) if self.counting
                 else Field("hist", (w, "slots", "rows"), torch.float32))
-        return (hist, Field("step", init=0))
+        return (hist, Field("step", init=0), Field("clock", (1,), torch.int64))
 
     def prefix_rank(self, buf, scores, k, v, pos, valid):
         # the prompt's base importance (what `buf.score` stores), computed by `prefill`
@@ -180,18 +185,22 @@ class Scissorhands(RingPolicy):
     def commit(self, buf, slot):
         if not buf.layout.evicts or slot != buf.scratch:
             return buf.commit_appended(slot)
-        cursor = buf.cursor                        # the commit advances it
+        # the commit advances the cursor: its slot now (a graphed run's is on the device)
+        cursor = buf.cursor if buf.cursor_at is None else buf.cursor_at.clone()
         victims = self.commit_scratch(buf)
         hist, rows = buf.policy_state["hist"], buf.rows_index
         hist[:, victims, rows] = hist[:, cursor, rows]               # as ring_commit moved them
-        hist[:, cursor] = hist[:, buf.scratch]
+        if isinstance(cursor, int):
+            hist[:, cursor] = hist[:, buf.scratch]
+        else:                        # an indexed write refuses a view of hist itself
+            hist[:, cursor] = hist[:, buf.scratch].unsqueeze(1).clone()
 
     def observe(self, buf, slot, probs, scored=False):
         if not buf.layout.evicts:
             return
         n = probs.shape[-1]
-        hist, w, t = buf.policy_state["hist"], self.window, buf.policy_state["step"]
-        buf.policy_state["step"] = t + 1
+        hist, w = buf.policy_state["hist"], self.window
+        at = self._history_row(buf)               # this query's: t mod window
         hist[:, slot] = 0                          # the new token has no history yet
         score = kv_head_probs(probs)               # (n, rows)
         if self.counting:
@@ -199,18 +208,54 @@ class Scissorhands(RingPolicy):
             low = (score < probs.shape[1] / valid.sum(0)) & valid
             new = torch.zeros_like(hist[0])
             new[:n] = low.to(torch.uint8)
-            byte, bit = (t % w) // 8, (t % w) % 8
-            old = (hist[byte] >> bit) & 1
-            hist[byte] = (hist[byte] & (255 ^ (1 << bit))) | (new << bit)
+            old = _swap_bits(hist, at, new)
             buf.score += old.float() - new.float()                    # importance = window - count
             buf.score[slot] = w - new[slot].float()                   # a fresh token starts at w
         elif w:
             new = torch.zeros_like(hist[0])
             new[:n] = score
-            buf.score += new - hist[t % w]
-            hist[t % w] = new
+            if isinstance(at, int):
+                buf.score += new - hist[at]
+                hist[at] = new
+            else:
+                buf.score += new - hist.index_select(0, at)[0]
+                hist.index_copy_(0, at, new.unsqueeze(0))
         else:
             buf.score[:n] += score
+
+    def _history_row(self, buf):
+        """This query's step index t mod the window (None without a window), and t moves on:
+        a host int, or, once the buffer keeps its counters on the device (a graphed run's
+        buffers, `KVBuffer.keep_counters_on_device`), a (1,) int64 tensor there, from
+        `clock`. The step's launches then do not depend on t; a CPU's eager steps keep the
+        host int, whose indexing costs no tensor op."""
+        state, w = buf.policy_state, self.window
+        if buf.cursor_at is None:
+            t = state["step"]
+            state["step"] = t + 1
+            return t % w if w else None
+        clock = state["clock"]
+        if state["step"] is not None:             # the first such step: t moves over, once
+            clock.fill_(state["step"])
+            state["step"] = None
+        at = clock % w if w else None
+        clock.add_(1)
+        return at
+
+
+def _swap_bits(hist: torch.Tensor, at, new: torch.Tensor) -> torch.Tensor:
+    """Bit `at` (a step's bit of the window: a host int, or a (1,) int64 tensor) of every slot
+    and row of hist (bytes, slots, rows) uint8 becomes `new` (slots, rows) uint8 0/1;
+    -> the bits it held (slots, rows) uint8."""
+    if isinstance(at, int):
+        byte, bit = at // 8, at % 8
+        old = (hist[byte] >> bit) & 1
+        hist[byte] = (hist[byte] & (255 ^ (1 << bit))) | (new << bit)
+        return old
+    byte, bit = at // 8, (at % 8).to(torch.uint8)     # uint8: the shifts stay uint8
+    held = hist.index_select(0, byte)[0]
+    hist.index_copy_(0, byte, ((held & ~(1 << bit)) | (new << bit)).unsqueeze(0))
+    return (held >> bit) & 1
 
 
 def _popcount(bits: torch.Tensor) -> torch.Tensor:

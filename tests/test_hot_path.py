@@ -214,6 +214,24 @@ def test_decode_step_has_no_host_sync(name, arch, monkeypatch):
             "the run must exercise eviction"
 
 
+@pytest.mark.parametrize("arch", CONFIGS)
+@pytest.mark.parametrize("name", sorted(n for n, cls in POLICIES.items() if cls.graph_safe))
+def test_decode_step_with_counters_on_the_device_has_no_host_sync(name, arch, monkeypatch):
+    """A graphed run's buffers keep their counters on the device from its first graphed step
+    (`KVBuffer.keep_counters_on_device`), and graph-safe hooks then take their device paths
+    (Scissorhands' step counter, the ring commits' cursor): those never sync either."""
+    seen = guard_decode(monkeypatch, NoHostSync)
+    guarded = Transformer._decode_attention
+
+    def attention(self, q, k, v, inp, buf, policy, clock):
+        buf.keep_counters_on_device()                       # as the graphs' warm-up does
+        return guarded(self, q, k, v, inp, buf, policy, clock)
+    monkeypatch.setattr(Transformer, "_decode_attention", attention)
+    run_policy(model_for(arch), name)
+    assert seen["steps"] == (NEW_TOKENS - 1) * CONFIGS[arch].num_layers
+    assert name == "full" or seen["evicting"]
+
+
 class CudaSyncsAreErrors:
     """torch.cuda.set_sync_debug_mode("error") for a block, restored afterwards."""
 

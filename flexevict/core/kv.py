@@ -136,6 +136,12 @@ class KVBuffer:
     # compressed cache), not bit for bit as written: set by each load (recall copies its
     # pages again rather than keep them)
     lossy_home: bool = False
+    # a policy whose host-held state moves every step by its rules alone (BUZZ's counts, and
+    # with them the fill count) names that state in `policy_state` and gives the host's part of
+    # a decode step: a graphed run keeps the counters on the device, replays a step without its
+    # Python, and then moves these host mirrors by `replay_host(buf)` (runtime/graphs.py)
+    mirrored: tuple[str, ...] = ()
+    replay_host: "Callable[[KVBuffer], None] | None" = None
 
     def __init__(self, layout: Layout, rows: int, head_dim: int, dtype, where: Memory | str,
                  kv_heads: int = 1, layer: int = 0, fields: tuple[Field, ...] = ()):
@@ -301,7 +307,8 @@ class KVBuffer:
 
     def keep_counters_on_device(self) -> None:
         """Keep the ring cursor on the buffer's device as well (`cursor_at`, (1,) int64), where
-        the ring's commits read and advance it, and, while the buffer fills, the fill count
+        the ring's commits read and advance it, and, while the buffer fills (or whenever its
+        policy moves the fill count itself, `replay_host`: BUZZ's passes), the fill count
         (`used_at`), where a new token is written and counted: a decode step's launches then no
         longer depend on their host values, so one CUDA graph serves every ring position and
         `FILL_SPAN` filling steps (runtime/graphs.py). `cursor` and `used` stay their host
@@ -309,7 +316,7 @@ class KVBuffer:
         sync), and indexes with a (1,) one on the device."""
         if self.cursor_at is None:
             self.cursor_at = torch.full((1,), self.cursor, dtype=torch.int64, device=self.device)
-        if self.used_at is None and self.used < self.capacity:
+        if self.used_at is None and (self.used < self.capacity or self.replay_host is not None):
             self.used_at = torch.full((1,), self.used, dtype=torch.int64, device=self.device)
 
     def ring_cursor(self) -> torch.Tensor | int:

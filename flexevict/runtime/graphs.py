@@ -13,7 +13,12 @@ written and counted. Neither is part of the host state; beside it, a graph is ke
 filling buffer's attention span (`spans`: the fill rounded up to `FILL_SPAN` slots). So one
 graph serves every ring position, and one every FILL_SPAN steps of a filling buffer. Replay
 runs no Python, so the host state a step leaves behind is recorded at capture and set again
-after each replay, and each counter the step moved is moved on the host too (its mirror).
+after each replay, and each counter the step moved is moved on the host too (its mirror). A
+policy whose host-held state moves every step by its rules alone (BUZZ's counts, which say
+when a pass runs and the fill count after it) names it (`KVBuffer.mirrored`): it is left out
+of the key like the counters, and the policy moves it after each replay
+(`KVBuffer.replay_host`), its device-side results (the fill count after a pass) having been
+kept on the device by the replayed kernels.
 
 What a policy must do to allow it (`Policy.graph_safe`): its decode hooks change buffer
 tensors in place only (a tensor reassigned during a step would be the capture's, not the
@@ -48,7 +53,8 @@ def _buffer_state(buf) -> tuple:
                 if kept is not None}                                  # the device's is read
     attrs = tuple((k, v) for k, v in vars(buf).items()
                   if isinstance(v, HOST_TYPES) and k not in mirrored)
-    fields = tuple((k, v) for k, v in buf.policy_state.items() if isinstance(v, HOST_TYPES))
+    fields = tuple((k, v) for k, v in buf.policy_state.items()
+                   if isinstance(v, HOST_TYPES) and k not in buf.mirrored)
     tensors = [*buf.tensors(), *buf.policy_state.values()]
     return attrs, fields, tuple(t.data_ptr() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -67,28 +73,35 @@ def spans(bufs) -> tuple:
     return tuple(b.attended(b.incoming_slot()) for b in bufs if b.used_at is not None)
 
 
-def mirrors(bufs) -> list[tuple[int, int] | None]:
-    """The host mirrors (cursor, used) of the buffers that own their counters (a stacked
-    layer's are its stack's)."""
-    return [(b.cursor, b.used) if b.stack is None else None for b in bufs]
+def mirrors(bufs) -> list[tuple | None]:
+    """The host mirrors (cursor, used, the policy's own `KVBuffer.mirrored` values) of the
+    buffers that own their counters (a stacked layer's are its stack's)."""
+    return [(b.cursor, b.used, tuple(b.policy_state[f] for f in b.mirrored))
+            if b.stack is None else None for b in bufs]
 
 
-def restore_mirrors(bufs, saved: list[tuple[int, int] | None]) -> None:
+def restore_mirrors(bufs, saved: list[tuple | None]) -> None:
     for b, m in zip(bufs, saved):
         if m is not None:
-            b.cursor, b.used = m
+            b.cursor, b.used = m[:2]
+            b.policy_state.update(zip(b.mirrored, m[2]))
 
 
-def moved_mirrors(bufs, before: list[tuple[int, int] | None]) -> tuple:
-    """Per buffer, which device-kept counters a step moved: (cursor advanced, token appended)."""
-    return tuple(m is not None and (b.cursor_at is not None and b.cursor != m[0],
-                                    b.used_at is not None and b.used != m[1])
+def moved_mirrors(bufs, before: list[tuple | None]) -> tuple:
+    """Per buffer, which device-kept counters a step moved: (cursor advanced, token appended),
+    or "policy" where the policy moves its mirrors itself (`KVBuffer.replay_host`)."""
+    return tuple(m is not None and ("policy" if b.replay_host is not None else
+                                    (b.cursor_at is not None and b.cursor != m[0],
+                                     b.used_at is not None and b.used != m[1]))
                  for b, m in zip(bufs, before))
 
 
 def advance_mirrors(bufs, moved: tuple) -> None:
     """Move the host mirrors as a replayed step moved the device's counters."""
     for b, m in zip(bufs, moved):
+        if m == "policy":
+            b.replay_host(b)
+            continue
         if m and m[0]:
             b.cursor = b.next_cursor()
         if m and m[1]:

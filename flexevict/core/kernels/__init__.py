@@ -460,16 +460,22 @@ def buzz_pass(buf, n: int, k: int, w: int, T: int, s: int, used: int | None = No
     """One BUZZ pass over slots [0, n) of every row (`reference.buzz_select`), compacting each
     row's kept tokens to the front in slot order; `buf.used` becomes the longest row's count.
     The counts follow BUZZ's rules alone, so the policy predicts it on the host and passes it as
-    `used`; without it, it is read from the device (a host sync)."""
+    `used`; without it, it is read from the device (a host sync). Where the buffer keeps its
+    fill count on the device (`used_at`, a graphed run), it is set there from the kept counts,
+    and the reference clears slots [used, n) through the same gather as the rest, so that no
+    shape of the pass depends on the host's count."""
     if not 0 <= n <= buf.capacity + 1:
         _fail("buzz_pass", f"n ({n}) exceeds the buffer's {buf.capacity + 1} slots")
     if used is not None and not 0 <= used <= n:
         _fail("buzz_pass", f"used ({used}) must be in [0, n={n}]")
     module = _buffer_module(buf)
+    on_device = buf.used_at is not None
     if module is None or not ext.within(module, buzz_max_slots=n, buzz_max_dim=buf.k.shape[-1]):
-        kept = reference.buzz_pass(buf, n, k, w, T, s, used)
+        kept = reference.buzz_pass(buf, n, k, w, T, s, n if on_device else used)
     else:
         kept = module.buzz_pass(buf, n, k, w, T, s, ext.stream(buf.k))
+    if on_device and kept.numel():
+        buf.used_at.copy_(kept.amax())
     if used is None:
         used = int(kept.max()) if kept.numel() else 0
     buf.used = used

@@ -619,8 +619,9 @@ def buzz_pass(buf: KVBuffer, n: int, k: int, w: int, T: int, s: int,
               used: int | None = None) -> torch.Tensor:
     """Run a BUZZ pass over slots [0, n) and compact every row with one gather per tensor; old
     tokens are flagged by `buf.state` = 1. used: the longest row's kept count when the caller
-    knows it (no host sync), else None. -> kept tokens per row (R,); the caller sets
-    `buf.used` to their maximum."""
+    knows it (no host sync), or any bound up to n (the gather then clears the slots past each
+    row's count too), else None. -> kept tokens per row (R,); the caller sets `buf.used` to
+    their maximum."""
     keep, old_after, _ = buzz_select(buf.valid[:n], buf.state[:n] > 0.5, buf.score[:n],
                                      k, w, T, s)
     sel, live = compaction(keep, used)
