@@ -40,16 +40,11 @@ GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 
-def cache_dir() -> str:
-    """Where files made from packages are kept: $FLEXEVICT_CACHE, else
-    $XDG_CACHE_HOME/flexevict (~/.cache/flexevict)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("FLEXEVICT_CACHE") or os.path.join(base, "flexevict")
-
-
 def gemma3_gguf() -> str:
     """Path of Gemma-3-270M's Q4_K_M GGUF (gemma3 architecture, 18 layers, MQA 4/1), joined
-    from its part packages into `cache_dir()` on first use."""
+    from its part packages into flexevict's cache folder (planner/calibration.py, `cache_dir`)
+    on first use."""
+    from flexevict.planner.calibration import cache_dir
     parts = [_locate(dist, rel, GEMMA3_PACKAGE) for dist, rel in GEMMA3_PARTS]
     target = os.path.join(cache_dir(), GEMMA3_FILE)
     if os.path.isfile(target) and os.path.getsize(target) == sum(map(os.path.getsize, parts)):
