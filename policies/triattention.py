@@ -57,6 +57,7 @@ import torch
 from flexevict.core import kernels
 from flexevict.core.kv import gather_prompt, left_aligned
 from flexevict.core.model import rope_inv_freq
+from flexevict.core.paths import cache_dir
 from flexevict.errors import UserError, setting
 
 from flexevict.policies.base import Policy
@@ -130,16 +131,9 @@ def file_name(model: str) -> str:
 
 
 def cache_path(model: str) -> str:
-    """Where the command caches a model's calibration: <cache dir>/triattention/<model>.pt,
-    the cache dir being $FLEXEVICT_CACHE_DIR, else $XDG_CACHE_HOME/flexevict, else
-    ~/.cache/flexevict (`flexevict.planner.calibration.cache_dir`'s rule)."""
-    base = os.environ.get("FLEXEVICT_CACHE_DIR")
-    if base:
-        base = os.path.expanduser(base)
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(xdg, "flexevict")
-    return os.path.join(base, "triattention", file_name(model))
+    """Where the command caches a model's calibration: <cache dir>/triattention/<model>.pt
+    (`flexevict.core.paths.cache_dir`)."""
+    return os.path.join(cache_dir(), "triattention", file_name(model))
 
 
 def find_calibration(model: str) -> str | None:

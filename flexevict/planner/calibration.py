@@ -66,6 +66,8 @@ import time
 
 import torch
 
+from flexevict.core.paths import cache_dir
+
 from flexevict.core.config import ARCHS, DTYPES, default_dtype
 from flexevict.errors import UserError, setting
 from flexevict.runtime.allocator import steady_host_allocator
@@ -88,14 +90,6 @@ SYNTHETIC = {
 
 
 # ---------------------------------------------------------------------------- where it lives
-
-def cache_dir() -> str:
-    """$FLEXEVICT_CACHE_DIR, else $XDG_CACHE_HOME/flexevict, else ~/.cache/flexevict."""
-    if os.environ.get("FLEXEVICT_CACHE_DIR"):
-        return os.path.expanduser(os.environ["FLEXEVICT_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "flexevict")
-
 
 def machine_key(device: torch.device) -> dict:
     """What a calibration is of: the device and the torch build. Not the thread count: one
