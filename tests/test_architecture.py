@@ -326,3 +326,31 @@ def test_the_signature_check_counts_parameters(tmp_path):
     (tmp_path / "m.py").write_text("class A:\n    def f(self, a, b, c, d, e, f, g, h): pass\n"
                                    "def g(a, b, c, d, e, f, g, *h, i=1): pass\n")
     assert wide_functions(str(tmp_path / "m.py")) == [f"{tmp_path / 'm.py'}:3 g(9)"]
+
+
+def calls_of(name: str) -> dict[str, list[str]]:
+    """Where the library calls a function or method `name`: module -> the functions (dotted
+    within the module) whose bodies call it, outside the policies package that defines it."""
+    found = {}
+    for module, path in modules().items():
+        if module.startswith("flexevict.policies") or module in EXTENSIONS:
+            continue
+        tree = ast.parse(open(path).read(), path)
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                callee = node.func if isinstance(node, ast.Call) else None
+                if getattr(callee, "attr", getattr(callee, "id", None)) == name:
+                    found.setdefault(module, []).append(fn.name)
+    return {m: sorted(set(f)) for m, f in found.items()}
+
+
+def test_the_decode_step_around_a_policy_has_one_copy_and_the_calibration_times_it():
+    """The policy's decode hooks are called around attention in one function, the model's
+    `cache_attention`; the calibration prices a policy through it, never through a copy of it
+    (the kernels bench times `after_attention` alone, on purpose)."""
+    assert calls_of("before_attention") == {"flexevict.core.model": ["cache_attention"]}
+    assert calls_of("after_attention") == {"flexevict.core.model": ["cache_attention"],
+                                          "flexevict.bench.kernels": ["cascade_op"]}
+    assert "_policy_decode" in calls_of("cache_attention")["flexevict.planner.calibration"]

@@ -98,3 +98,24 @@ def test_eval_agreement_reports_every_step(every_update, tmp_path, tiny_dir):  #
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["prompts"] == 2                 # stdout: the JSON alone
     assert len(lines_of(proc.stderr, "generating")) >= 2 * 6       # reference and policy runs
+
+
+def test_a_long_unit_still_prints_a_line_each_interval_from_the_innermost_bar(monkeypatch):
+    """No update for several intervals (a long prefill): lines keep coming on the timer, from
+    the innermost open bar only, and none once the bars are closed."""
+    import time
+    monkeypatch.setenv("FLEXEVICT_PROGRESS_SECONDS", "0.05")
+    out = io.StringIO()
+    with Progress(2, "sweep", "cell", file=out):
+        with Progress(8, "generating", "prompt", file=out):
+            time.sleep(0.5)
+        inner_done = len(out.getvalue().splitlines())
+        time.sleep(0.3)
+    time.sleep(0.2)
+    text = out.getvalue()
+    assert len(lines_of(text, "generating")) >= 4            # on the timer, nothing updated
+    assert all(ln.startswith("generating: ") for ln in text.splitlines()[:inner_done])
+    assert len(lines_of(text, "sweep")) >= 2                 # the outer one, once alone
+    closed = len(text.splitlines())
+    time.sleep(0.2)
+    assert len(out.getvalue().splitlines()) == closed        # closed bars stay quiet

@@ -326,23 +326,40 @@ class Transformer:
             k = pairs_adjacent(k)
         slot = buf.incoming_slot()
         buf.write(slot, k, v.reshape(b * nk, d), inp.pos.repeat_interleave(nk).to(torch.int32))
-        with clock:
-            policy.before_attention(buf, slot, q)
-        n = buf.attended(slot)
-        keys = None
-        if in_cache:
-            q, keys = self._rotate_in_cache(q, buf, n, inp.pos_end)
-        scale = self.scale * policy.logit_scale(min(n, buf.used + 1))
-        scored = policy.accumulates_attention
-        out, probs = attend(q, buf, n, scale, keys, scored)
-        with clock:
-            policy.after_attention(buf, slot, probs, scored=scored)
-        return out.reshape(b, nh * d)
+        rotate = (functools.partial(self._rotate_in_cache, buf=buf, pos_end=inp.pos_end)
+                  if in_cache else None)
+        return cache_attention(q, buf, slot, policy, self.scale, rotate, clock).reshape(b, nh * d)
 
-    def _rotate_in_cache(self, q, buf: KVBuffer, n: int, pos_end: int | None = None):
+    def _rotate_in_cache(self, q, n: int, buf: KVBuffer, pos_end: int | None):
         """`rotate_in_cache` with the rank table of buf's layer."""
         local = buf.layer is not None and self.local[buf.layer]
         return rotate_in_cache(q, buf, n, self.rank_rope(n, q.device, q.dtype, local), pos_end)
+
+
+def cache_attention(q, buf: KVBuffer, slot: int, policy, scale: float, rotate=None,
+                    clock=NO_CLOCK) -> torch.Tensor:
+    """A decode step's attention over a layer's cache, the new token's K/V already written at
+    `slot`: the policy's hooks around attention over the slots it attends. The one copy of this
+    sequence; the calibration prices a policy by timing it (`calibration.measure_policy`).
+
+    q (R, g, d), rows (sequence, kv head); scale: the layer's, before the policy's logit scale.
+    rotate(q, n) -> (q, keys (n, R, d)): for a buffer that keeps keys before RoPE
+    (`Layout.rope_in_cache`), the query and the attended keys at their in-cache ranks. clock:
+    entered around the policy's work, its hooks and that rotation (what eviction adds to
+    attention) -> out (R, g, d)."""
+    with clock:
+        policy.before_attention(buf, slot, q)
+    n = buf.attended(slot)
+    keys = None
+    if rotate is not None:
+        with clock:
+            q, keys = rotate(q, n)
+    scale = scale * policy.logit_scale(min(n, buf.used + 1))
+    scored = policy.accumulates_attention
+    out, probs = attend(q, buf, n, scale, keys, scored)
+    with clock:
+        policy.after_attention(buf, slot, probs, scored=scored)
+    return out
 
 
 def rank_table(inv_freq: torch.Tensor, size: int, dtype) -> torch.Tensor:

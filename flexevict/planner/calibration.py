@@ -1267,42 +1267,60 @@ def _policy_prefill(spec, device, dtype, rows, d, g, cap) -> float:
 
 
 def _policy_decode(spec, device, dtype, rows, d, g, cap, quick) -> float:
-    """Seconds per decode step of the hooks alone, once the buffer is full, and for a policy
-    that keeps keys before RoPE (`rope_in_cache`) the rotation of the attended keys to their
-    in-cache ranks: work the policy adds to attention (Cascade's step is 1.5x h2o's on a CPU)."""
-    from flexevict.core.model import attend, rank_table, rotate_in_cache
+    """Seconds per decode step of the policy's work alone once the buffer is full: the model's
+    own decode step (`model.cache_attention`) with a clock around what it counts as eviction,
+    the hooks (the fused score accumulation included) and, for a policy that keeps keys before
+    RoPE, the rotation of the attended keys to their in-cache ranks (Cascade's step is 1.5x
+    h2o's on a CPU)."""
+    from flexevict.core.model import cache_attention, rank_table, rope_inv_freq
     s = _prompt_len(spec, cap)
     k, pos, valid, scores, q = _prompt(device, dtype, s, rows, d, g)
     policy, buf = _fresh(spec, device, dtype, rows, d, cap, s)
     _prefill(policy, buf, k, pos, valid, scores, q)
     table = None
-    if buf.layout.rope_in_cache:
-        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=device) / d)   # (timing)
-        table = rank_table(inv_freq, buf.layout.slots, dtype)
+    if buf.layout.rope_in_cache:             # the probe layer's RoPE (head dim d), every rank
+        table = rank_table(rope_inv_freq(probe_config("llama")).to(device), buf.layout.slots,
+                           dtype)
     steps = DECODE_STEPS // 3 if quick else DECODE_STEPS
+    clock = _Stopwatch(device)
     spent, query = [], torch.randn(rows, g, d, device=device, dtype=dtype)
     for i in range(steps):
-        query = qi = drifted(query)
+        query = drifted(query)
         kv = torch.randn(rows, d, device=device, dtype=dtype)
         slot = buf.incoming_slot()
         buf.write(slot, kv, kv, torch.full((rows,), s + i, dtype=torch.int32, device=device))
-        _sync(device)
-        t0 = time.perf_counter()
-        policy.before_attention(buf, slot, qi)
-        n, keys = buf.attended(slot), None
-        if table is not None:
-            qi, keys = rotate_in_cache(qi, buf, n, table, s + i + 1)
-        _sync(device)
-        t1 = time.perf_counter()
-        scored = policy.accumulates_attention          # as the model: fused into attention
-        _, probs = attend(qi, buf, n, d ** -0.5, keys, score=scored)
-        _sync(device)
-        t2 = time.perf_counter()
-        policy.after_attention(buf, slot, probs, scored=scored)
-        _sync(device)
-        spent.append((t1 - t0) + (time.perf_counter() - t2))
+        rotate = None if table is None else functools.partial(
+            _rotate_bare, buf=buf, table=table, pos_end=s + i + 1)
+        cache_attention(query, buf, slot, policy, d ** -0.5, rotate, clock)
+        spent.append(clock.take())
     tail = sorted(spent[2:])
     return tail[len(tail) // 4]                       # a low quantile: the least disturbed
+
+
+def _rotate_bare(q, n, buf, table, pos_end):
+    """`model.cache_attention`'s rotate for a bare buffer: every rank from one table."""
+    from flexevict.core.model import rotate_in_cache
+    return rotate_in_cache(q, buf, n, table, pos_end)
+
+
+class _Stopwatch:
+    """A clock for `model.cache_attention` that adds up the seconds spent inside it, the
+    device synchronized at each edge; `take()` reads and resets."""
+
+    def __init__(self, device):
+        self.device, self.spent = device, 0.0
+
+    def __enter__(self):
+        _sync(self.device)
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        _sync(self.device)
+        self.spent += time.perf_counter() - self.t0
+
+    def take(self) -> float:
+        spent, self.spent = self.spent, 0.0
+        return spent
 
 
 def synthetic_policy(data: dict) -> dict:

@@ -1,11 +1,16 @@
 """Progress a person can watch: a tqdm bar on a terminal; under a scheduler, `nohup` or a pipe
 (stderr not a terminal), one line every FLEXEVICT_PROGRESS_SECONDS seconds (default 5) with
 units done/total, the rate of the tracked quantity and the ETA, and a last line at the end
-(unless the line before it already said the same)."""
+(unless the line before it already said the same).
+
+A unit may run for longer than the interval (a long prompt's prefill, a sweep cell of many
+prompts): the innermost open bar then prints its line on a timer all the same, so that a
+working process never reads as a hung one."""
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 DEFAULT_SECONDS = 5.0
@@ -15,6 +20,11 @@ class Progress:
     """update(n, tokens) after each unit of work (a layer, a batch of prompts, a token step);
     update(0, tokens, partial) while a long unit runs (a batch's decode steps), so that its
     lines keep coming and its ETA counts the part of the unit already done."""
+
+    # the process's open bars, innermost last: they share its stderr, and only the innermost
+    # prints on the timer (`_beat`)
+    _open: list["Progress"] = []
+    _lock = threading.Lock()
 
     def __init__(self, total: int, desc: str, unit: str, rate_unit: str | None = None,
                  file=None, enabled: bool = True):
@@ -32,6 +42,11 @@ class Progress:
         if enabled and _is_terminal(self.file):
             from tqdm import tqdm
             self.bar = tqdm(total=total, desc=desc, unit=unit, file=self.file)
+        self._stop = threading.Event()
+        if enabled:
+            Progress._open.append(self)
+            if self.interval > 0:
+                threading.Thread(target=self._beat, daemon=True).start()
 
     def update(self, n: int = 1, counted: int | None = None, partial: float = 0.0) -> None:
         """n units finished and `counted` more of the rate's quantity (default n); partial: the
@@ -39,17 +54,35 @@ class Progress:
         self.done += n
         self.counted += n if counted is None else counted
         self.partial = partial
-        if self.bar is not None:
-            self.bar.update(n)
-        elif self.enabled and time.monotonic() - self.last >= self.interval:
-            self._line()
+        with Progress._lock:
+            if self.bar is not None:
+                self.bar.update(n)
+            elif self.enabled and time.monotonic() - self.last >= self.interval:
+                self._line()
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled and self.done and self.shown != (self.done, self.counted):
-            self._line()
-        self.enabled = False
+        self._stop.set()
+        with Progress._lock:
+            if self in Progress._open:
+                Progress._open.remove(self)
+            if self.bar is not None:
+                self.bar.close()
+            elif self.enabled and self.done and self.shown != (self.done, self.counted):
+                self._line()
+            self.enabled = False
+
+    def _beat(self) -> None:
+        """Every interval without a line while this is the innermost open bar: a line (on a
+        terminal, the bar redrawn with its elapsed time)."""
+        while not self._stop.wait(self.interval):
+            with Progress._lock:
+                innermost = Progress._open and Progress._open[-1] is self
+                if not self.enabled or not innermost:
+                    continue
+                if self.bar is not None:
+                    self.bar.refresh()
+                elif time.monotonic() - self.last >= self.interval:
+                    self._line()
 
     def _line(self) -> None:
         now = time.monotonic()
