@@ -181,7 +181,7 @@ def test_a_cache_home_is_priced_storing_what_a_step_writes_recalls_region_too(mo
         monkeypatch.setattr(RecallLayout, "written_per_step", property(written))
         m = model_for("llama-3-8b", 32768, 32, "recall", 0.1)
         plan = m.memory_plan(p, 4)
-        return m, m._cache_io(p, plan, plan.sizes, 1)["store"][1]
+        return m, m._cache_io(p, plan, plan.sizes, 1, m.groups[0])["store"][1]
     lay = PolicySpec.parse("recall", 0.1).make().layout(32768, 32)
     assert lay.written_per_step == 1 + lay.pages * lay.page > 1
     m, region = stored(RecallLayout.written_per_step.fget)
@@ -194,8 +194,8 @@ def test_a_cache_home_is_priced_storing_what_a_step_writes_recalls_region_too(mo
     plan = m.memory_plan(packed, 4)
     monkeypatch.setattr(RecallLayout, "written_per_step", property(lambda self: 1))
     one = model_for("llama-3-8b", 32768, 32, "recall", 0.1)
-    assert m._cache_io(packed, plan, plan.sizes, 1)["store"] == \
-        one._cache_io(packed, one.memory_plan(packed, 4), plan.sizes, 1)["store"]
+    assert m._cache_io(packed, plan, plan.sizes, 1, m.groups[0])["store"] == \
+        one._cache_io(packed, one.memory_plan(packed, 4), plan.sizes, 1, one.groups[0])["store"]
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -210,8 +210,8 @@ def test_buzzs_decode_is_priced_by_the_tokens_each_step_attends():
     plan = m.memory_plan(p, 24)
     attended = m.attended
     assert min(attended) < 0.6 * m.slots and max(attended) == m.slots
-    every = sum(m._step(p, plan, plan.sizes, i, n)[0] for i, n in enumerate(attended, 1))
-    peak = sum(m._step(p, plan, plan.sizes, i, m.slots)[0] for i in range(1, 2048))
+    every = sum(m._step(p, plan, plan.sizes, i, (n,))[0] for i, n in enumerate(attended, 1))
+    peak = sum(m._step(p, plan, plan.sizes, i, (m.slots,))[0] for i in range(1, 2048))
     assert m.estimate(p, 24, plan).decode_s == pytest.approx(every, rel=0.01)
     assert every < 0.95 * peak
 

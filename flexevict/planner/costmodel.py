@@ -4,9 +4,14 @@ FlexGen ("FlexGen: High-Throughput Generative Inference of Large Language Models
 GPU", Sheng et al., ICML 2023, section 4, "Cost model") predicts a layer's time in prefill and in
 each decode step as the maximum of five overlapped terms, ctog, gtoc, dtoc, ctod and comp, and
 the total as T_pre * l + T_gen * (n - 1) * l. This module keeps that shape for the engine's block
-schedule (engine.py) and adds what eviction changes: the cache is a budget-sized buffer of the
-policy's resolved slots (`Policy.slots_for`), so its bytes, its loads and stores and the
-attention over it shrink with the budget, and the policy's own hooks cost time per slot.
+schedule (engine.py) and adds what eviction changes: each layer's cache is a budget-sized buffer
+of that layer's slots, so its bytes, its loads and stores and the attention over it shrink with
+the budget, and the hooks of the policy it runs cost time per slot. Layers differ
+(`layers.layer_specs`): a sliding layer whose window is shorter than the run keeps a ring of its
+window and runs `local`, whatever the run's policy, and per-layer budgets give each global layer
+its own slots. Layers with the same policy over the same layout price alike: they form a
+`LayerGroup`, costed once per step and counted as often as it has layers (a model whose layers
+are all alike is one group, priced as one layer times L).
 
 Per token step and schedule layer s (embed, attention and MLP halves or whole blocks, head),
 with k over the GPU batches of the block:
@@ -15,27 +20,28 @@ with k over the GPU batches of the block:
     T_s = comp_s + W_s + CL_s + CS_s + fixed_s                           (no overlap)
 
 - comp_s = sum_k: matmuls (weights streamed from memory + flops), attention (prefill: causal
-  SDPA, or for a policy that ranks the prompt the pass that also sums its columns; decode: per
-  attended slot),
-  element-wise passes over the hidden states, the policy's hooks (per slot x row), and
+  SDPA, or for a policy that ranks the prompt the pass that also sums its columns, or for a
+  sliding layer whose window binds the masked square; decode: per slot its layer attends),
+  element-wise passes over the hidden states, the layer's policy's hooks (per slot x row), and
   activation moves to and from a CPU tier (the engine makes them on the compute stream, so they
   add to comp rather than overlap it, unlike FlexGen's model).
 - W_{s+1}: the next layer's weights, loaded while s computes (the first layer's load is not
   hidden): bytes over their link (pinned or pageable host-to-device; disk through the page
   cache), dequantization when compressed, and on a CPU device the oneDNN reorder of each
   streamed linear weight (`model.PackedWeight`, its cost measured by size).
-- CL_s, CS_s: loading each GPU batch's cache buffer from its tier (whole: it is budget-sized)
-  and storing back what changed (one slot of K/V and the per-slot state in decode, everything
-  after prefill), with 4-bit (de)quantization when the cache is compressed.
+- CL_s, CS_s: loading each GPU batch's cache buffer of the layer from its tier (whole: it is
+  budget-sized, at the layer's own slots) and storing back what changed (one slot of K/V and the
+  per-slot state in decode, everything after prefill), with 4-bit (de)quantization when the
+  cache is compressed.
 - On a CUDA device the links are shared resources: weight and cache loads both use
   host-to-device, so they add up on it (as ctog does in FlexGen). On a CPU device every term is
   a thread of the same CPU: `work_s / cores` bounds them together, and `fixed_s` (the engine's
   Python work per cell and per lane job, serialised by the GIL) adds outside the maximum; on a
   GPU the fixed costs overlap the device's work (kernel launches are asynchronous).
 
-Decode attention grows with the slots step i attends, min(P + i, slots) (BUZZ's saw between
-its passes: `Layout.held`), so decode time is summed over steps (sampled at up to 8 evenly
-spaced steps). Memory per tier is MemoryPlan's
+Decode attention grows with the slots step i attends, min(P + i, slots) of each layer's layout
+(BUZZ's saw between its passes: `Layout.held`), so decode time is summed over steps (sampled at
+up to 8 evenly spaced steps, every group at the same steps). Memory per tier is MemoryPlan's
 (memory.py, the same numbers the run's preflight checks).
 
 Three things come from the calibration's probes rather than from first principles: a later GPU
@@ -56,7 +62,8 @@ import torch
 
 from flexevict.core.model import LINEAR_WEIGHTS
 from flexevict.planner.calibration import attention_rate
-from flexevict.runtime.layers import layer_slots, layer_specs
+from flexevict.policies import PolicySpec
+from flexevict.runtime.layers import LayerSpec, layer_slots, layer_specs
 from flexevict.runtime.memory import MemoryPlan, stage_weights
 
 # Element-wise passes per half layer, without a calibration probe: over (tokens x hidden) in the
@@ -110,11 +117,54 @@ class Estimate:
                 "prefill_terms": dict(self.prefill_terms), "decode_terms": dict(self.decode_terms)}
 
 
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers of a run that price alike (the same kind, policy and layout: `LayerSpec`), so one
+    cost per stage stands for each of them."""
+    layers: tuple[int, ...]     # their indices, bottom first
+    spec: PolicySpec            # what their hooks are measured as (`Calibration.policy`)
+    slots: int                  # per (sequence, kv head), the scratch slot included
+    attended: tuple[int, ...]   # slots decode steps 1 .. gen_len - 1 attend, per row
+    written: int                # K/V slots per row a decode step writes
+    ranks_prompt: bool          # prefill is the scored pass (a policy that ranks the prompt)
+    window: int | None          # tokens: a sliding window that binds in prefill, else None
+
+
+def layer_groups(config, specs: list[LayerSpec], spec: PolicySpec, prompt_len: int,
+                 gen_len: int) -> list[LayerGroup]:
+    """The run's layers (`layer_specs`) grouped by (kind, policy, layout), in order of their
+    first layer. spec: the run's; a global layer's hooks are its policy's even at a budget of
+    its own, a window layer's are its ring's (`local` at the window)."""
+    members: list[tuple[LayerSpec, list[int]]] = []
+    for s in specs:
+        same = [m for m in members if (m[0].kind, m[0].policy, m[0].layout) ==
+                (s.kind, s.policy, s.layout)]
+        if same:
+            same[0][1].append(s.index)
+        else:
+            members.append((s, [s.index]))
+    return [_group(config, s, tuple(idx), spec, prompt_len, gen_len) for s, idx in members]
+
+
+def _group(config, s: LayerSpec, layers: tuple, spec: PolicySpec, P: int, G: int) -> LayerGroup:
+    """The group of `layers`, all priced as s (their first) in a run of P + G tokens."""
+    lay, pol = s.layout, s.policy
+    if s.kind == "window":      # a plain ring; it never ranks the prompt (model.py refuses)
+        window = config.layer_window(s.index)
+        return LayerGroup(layers, PolicySpec(pol.name, budget_tokens=pol.budget_tokens),
+                          lay.slots, tuple(lay.attended_per_step(G - 1)), lay.written_per_step,
+                          False, window if window < P else None)   # else no prefill row slides
+    ranks = pol.needs_prompt_scores and pol.slots_for(P, G) < P + G
+    return LayerGroup(layers, spec, lay.slots, tuple(lay.attended_per_step(G - 1)),
+                      lay.written_per_step, ranks, None)
+
+
 class CostModel:
     """Predictions for one model, lengths, policy and compute device, from a calibration.
 
-    slots: the policy's resolved slots per (sequence, layer, kv head), scratch included
-    (`PolicySpec.make().slots_for(prompt_len, gen_len)`)."""
+    slots: the run's policy's resolved slots per (sequence, layer, kv head), scratch included
+    (`PolicySpec.make().slots_for(prompt_len, gen_len)`); layer_slots: each layer's own (the
+    memory plan's); groups: the layers by how they price (`LayerGroup`: what the times use)."""
 
     def __init__(self, config, calibration, device, dtype, prompt_len: int, gen_len: int,
                  spec, efficiency: dict | None = None):
@@ -125,18 +175,19 @@ class CostModel:
         self.P, self.G, self.spec = prompt_len, gen_len, spec
         policy = spec.make()
         self.slots = policy.slots_for(prompt_len, gen_len)
-        self.evicts = self.slots < prompt_len + gen_len
         layout = policy.layout(prompt_len, gen_len)
-        # each layer's own slots (a sliding layer's window): the memory plan counts them; the
-        # times below price every layer at the policy's
-        self.layer_slots = layer_slots(layer_specs(config, policy, prompt_len, gen_len, layout))
+        # each layer at its own size (a sliding layer's window, a per-layer budget): the memory
+        # plan counts each layer's slots, the times price each group of layers alike
+        specs = layer_specs(config, policy, prompt_len, gen_len, layout)
+        self.layer_slots = layer_slots(specs)
+        self.groups = layer_groups(config, specs, spec, prompt_len, gen_len)
         self.history = layout.home_tokens                 # recall's
-        self.attended = layout.attended_per_step(gen_len - 1)   # by decode step 1, 2, ...
-        self.written = layout.written_per_step            # K/V slots a step stores back
-        self.ranks_prompt = policy.needs_prompt_scores and self.evicts
+        self.attended = layout.attended_per_step(gen_len - 1)   # the policy's, by decode step
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.dev = calibration.device(self.device, dtype)
-        self.hooks = calibration.policy(spec, self.device, dtype)
+        # (a group's spec, whether on the CPU for --cpu-cache-compute) -> its hook costs
+        self._hooks = {(g.spec, False): calibration.policy(g.spec, self.device, dtype)
+                       for g in self.groups}
         self._cpu = None
         self._loads = {}          # weight loads per (weight placement, stage)
         self._kinds = {}          # sep_layer -> (kind, weights) of each kind of stage
@@ -156,7 +207,8 @@ class CostModel:
         """Predicted prefill and decode time of n sequences under `placement`."""
         plan = plan or self.memory_plan(placement, n)
         sizes = plan.sizes
-        prefill, pre_terms = self._step(placement, plan, sizes, 0, self.P)
+        prefill, pre_terms = self._step(placement, plan, sizes, 0,
+                                        (self.P,) * len(self.groups))   # prefill prices by P
         decode, dec_terms = 0.0, {}
         for step, weight, attended in self._decode_samples():
             t, terms = self._step(placement, plan, sizes, step, attended)
@@ -166,28 +218,31 @@ class CostModel:
         return Estimate(placement, n, prefill, decode, plan.needs(self.device), pre_terms,
                         dec_terms, self.G)
 
-    def _decode_samples(self) -> list[tuple[int, float, int]]:
-        """(decode step i >= 1, how many steps it stands for, the slots they attend on average),
-        the counts summing to gen_len - 1: a sample's slots are its span's mean (BUZZ's saw
-        is not aliased by where a sample falls)."""
-        steps, attended = self.G - 1, self.attended     # step i attends attended[i - 1]
+    def _decode_samples(self) -> list[tuple[int, float, tuple[int, ...]]]:
+        """(decode step i >= 1, how many steps it stands for, the slots they attend on average
+        in each layer group), the counts summing to gen_len - 1: a sample's slots are its span's
+        mean (BUZZ's saw is not aliased by where a sample falls)."""
+        steps = self.G - 1          # step i attends attended[i - 1]
         if steps <= SAMPLED_STEPS:
-            return [(i, 1.0, attended[i - 1]) for i in range(1, steps + 1)]
+            return [(i, 1.0, tuple(g.attended[i - 1] for g in self.groups))
+                    for i in range(1, steps + 1)]
         width = steps / SAMPLED_STEPS
         samples = []
         for j in range(SAMPLED_STEPS):
-            span = attended[int(j * width):int((j + 1) * width)]
-            samples.append((1 + int((j + 0.5) * width), width, round(sum(span) / len(span))))
+            lo, hi = int(j * width), int((j + 1) * width)
+            mean = tuple(round(sum(g.attended[lo:hi]) / (hi - lo)) for g in self.groups)
+            samples.append((1 + int((j + 0.5) * width), width, mean))
         return samples
 
     # ------------------------------------------------------------------ one token step
-    def _step(self, p, plan, sizes, i: int, n: int) -> tuple[float, dict]:
-        """Seconds of token step i (0: prefill) attending n slots -> (seconds, term -> the
-        seconds of the stages it bounds). Every block is alike, so each (layer kind, next
-        layer kind) pair is costed once and counted as often as it occurs."""
+    def _step(self, p, plan, sizes, i: int, attended: tuple[int, ...]) -> tuple[float, dict]:
+        """Seconds of token step i (0: prefill), layer group j attending attended[j] slots per
+        row -> (seconds, term -> the seconds of the stages it bounds). Every block's weights are
+        alike and the layers of a group price alike, so each (layer kind, next layer kind,
+        group) is costed once and counted as often as it occurs."""
         stages = {s[0]: s[1] for s in self._stage_kinds(p.sep_layer)}
         loads = {kind: self._weight_load(p, plan, stage) for kind, stage in stages.items()}
-        cache = self._cache_io(p, plan, sizes, i)
+        caches = {}           # group index -> its cache loads and stores (`_cache_io`)
         works = [p.work_tier(t) if i > 0 else "gpu" for t in p.cache_tiers(len(sizes))]
         total, terms = 0.0, {}
 
@@ -196,14 +251,17 @@ class CostModel:
         if p.overlap and loads["embed"]["total"]:     # the step's first load is not hidden
             total += loads["embed"]["total"]
             add(loads["embed"]["term"], loads["embed"]["total"])
-        for kind, nxt, count in self._sequence(p.sep_layer):
-            comp = sum(self._compute(p, kind, stages[kind], b, i, n, work, hot=k > 0)
+        for kind, nxt, count, j in self._sequence(p.sep_layer):
+            g = None if j is None else self.groups[j]
+            attn = None if j is None else (g, attended[j])
+            comp = sum(self._compute(p, kind, stages[kind], b, i, work, attn, hot=k > 0)
                        for k, (b, work) in enumerate(zip(sizes, works)))
             w = loads[kind] if not p.overlap else loads[nxt] if nxt else NO_LOAD
-            has_cache = kind in ("attn", "block")
-            t, term = self._overlap(p, comp, w, cache if has_cache else NO_CACHE)
+            if g is not None and j not in caches:
+                caches[j] = self._cache_io(p, plan, sizes, i, g)
+            t, term = self._overlap(p, comp, w, NO_CACHE if g is None else caches[j])
             fixed = self._fixed(p, kind, sizes, i, loads[kind]["total"] > 0,
-                                has_cache and cache["offloaded"])
+                                g is not None and caches[j]["offloaded"])
             total += count * (t + fixed)
             add(term, count * t)
             if fixed:
@@ -218,14 +276,18 @@ class CostModel:
             self._kinds[sep_layer] = [*zip(kinds, stages), ("head", stages[-1])]
         return self._kinds[sep_layer]
 
-    def _sequence(self, sep_layer: bool) -> list[tuple[str, str | None, int]]:
-        """The schedule as (layer kind, the next layer's kind, how many times in a step)."""
-        L = self.config.num_layers
+    def _sequence(self, sep_layer: bool) -> list[tuple[str, str | None, int, int | None]]:
+        """The schedule as (layer kind, the next layer's kind, how many times in a step, the
+        index of the layer group whose attention and cache the stage has, or None)."""
+        L, groups = self.config.num_layers, range(len(self.groups))
         if sep_layer:
-            return [("embed", "attn", 1), ("attn", "mlp", L), ("mlp", "attn", L - 1),
-                    ("mlp", "head", 1), ("head", None, 1)]
-        return [("embed", "block", 1), ("block", "block", L - 1), ("block", "head", 1),
-                ("head", None, 1)]
+            return [("embed", "attn", 1, None),
+                    *(("attn", "mlp", len(self.groups[j].layers), j) for j in groups),
+                    ("mlp", "attn", L - 1, None), ("mlp", "head", 1, None), ("head", None, 1, None)]
+        last = next(j for j in groups if L - 1 in self.groups[j].layers)   # before the head
+        blocks = [("block", "block", len(self.groups[j].layers) - (j == last), j) for j in groups]
+        return [("embed", "block", 1, None), *(b for b in blocks if b[2]),
+                ("block", "head", 1, last), ("head", None, 1, None)]
 
     def _overlap(self, p, comp: float, w: dict, cache: dict) -> tuple[float, str]:
         """One stage's time from its terms -> (seconds, the bounding term's name)."""
@@ -246,11 +308,12 @@ class CostModel:
         return terms[name], name
 
     # ------------------------------------------------------------------ compute
-    def _compute(self, p, kind: str, stage, b: int, i: int, n: int, work: str,
-                 hot: bool = False) -> float:
-        """Seconds one GPU batch of b sequences computes stage `kind` at step i (n slots), its
-        attention on the `work` tier (cpu with --cpu-cache-compute and a cpu or disk cache).
-        hot: an earlier GPU batch just read this layer's weights (from the cache if they fit)."""
+    def _compute(self, p, kind: str, stage, b: int, i: int, work: str,
+                 attn: tuple[LayerGroup, int] | None = None, hot: bool = False) -> float:
+        """Seconds one GPU batch of b sequences computes stage `kind` at step i, its attention
+        (attn: the layer group, and the slots per row it attends in decode) on the `work` tier
+        (cpu with --cpu-cache-compute and a cpu or disk cache). hot: an earlier GPU batch just
+        read this layer's weights (from the cache if they fit)."""
         c, d, e = self.config, self.dev, self.elem
         tokens = b * self.P if i == 0 and kind != "head" else b    # the head: last tokens only
         matrices = [(name, s) for name, s in stage if name in LINEAR_WEIGHTS and len(s) == 2]
@@ -261,8 +324,8 @@ class CostModel:
         t += self._passes(kind, tokens) * tokens * e / d["mem_bw"]
         if kind == "head":
             t += b * c.vocab_size * 4 * 2 / d["mem_bw"]          # fp32 logits and the argmax
-        if kind in ("attn", "block"):
-            t += self._attention(p, b, i, n, work)
+        if attn is not None:
+            t += self._attention(b, i, attn[1], work, attn[0])
         if p.act_tier == "cpu" and kind != "embed":            # fetch the input, park the output
             moved = b * self.P if i == 0 else b
             t += 2 * moved * c.hidden_size * e / self._act_link(p)
@@ -372,26 +435,37 @@ class CostModel:
         f = min(max((llc - nbytes) / (llc / 2), 0.0), 1.0)        # 1 at llc / 2, 0 at llc
         return 1.0 / (f / warm + (1 - f) / cold)
 
-    def _attention(self, p, b: int, i: int, n: int, work: str) -> float:
+    def _attention(self, b: int, i: int, n: int, work: str, g: LayerGroup) -> float:
+        """Seconds of one GPU batch of b sequences' attention in a layer of group g at step i
+        (decode: n attended slots per row), its policy's hooks included."""
         c = self.config
         h, hk, dh = c.num_heads, c.num_kv_heads, c.dim_head
         rows = b * hk
         if i == 0:
-            d = self.dev
-            flops = 2 * b * h * self.P * self.P * dh
-            t = flops / attention_rate(d, self.ranks_prompt, self.P)     # the rate at P
-            hook = self.hooks["prefill"]
+            t = self._prefill_flops(b, g) / attention_rate(self.dev, g.ranks_prompt, self.P)
+            hook = self._hooks[g.spec, False]["prefill"]
             return t + hook["fixed_s"] + hook["per_token_row_s"] * self.P * rows
         on_cpu = self.cuda and work == "cpu"
         d = self._cpu_cal() if on_cpu else self.dev
-        hooks = self.cal.policy(self.spec, torch.device("cpu"), self.dtype) if on_cpu \
-            else self.hooks
+        if (g.spec, on_cpu) not in self._hooks:
+            self._hooks[g.spec, on_cpu] = self.cal.policy(g.spec, torch.device("cpu"), self.dtype)
+        hooks = self._hooks[g.spec, on_cpu]
         a = d["attn_decode"]
         t = a["fixed_s"] + a["per_unit_s"] * n * rows * (h // hk + 2) * dh
         t += hooks["decode"]["fixed_s"] + hooks["decode"]["per_slot_row_s"] * n * rows
         if on_cpu:      # q, k, v of the new token to the cache's CPU, the output back
             t += b * (2 * h + 2 * hk) * dh * self.elem / self.cal.link("h2d_pinned")
         return t
+
+    def _prefill_flops(self, b: int, g: LayerGroup) -> float:
+        """Flops of one GPU batch's prefill attention in a layer of group g over the P-token
+        prompt: causal, 2 b h P^2 dh (QK^T and PV over half the square; at the rate for P). A
+        binding window is an (S, S) mask on SDPA (`model.causal_attention`), which computes
+        every tile of the square and masks it, so twice that, not the band's ~4 b h P W dh (a
+        CPU measured 2.3x the causal pass's time at 2048 tokens, window 512)."""
+        c = self.config
+        causal = 2 * b * c.num_heads * self.P * self.P * c.dim_head
+        return causal if g.window is None else 2 * causal
 
     def _cpu_cal(self) -> dict:
         if self._cpu is None:
@@ -461,9 +535,10 @@ class CostModel:
         return _interpolate(prepare.get("big") or prepare.get("layers", []), nbytes)
 
     # ------------------------------------------------------------------ cache
-    def _cache_io(self, p, plan: MemoryPlan, sizes, i: int) -> dict:
-        """Per attention stage: ((load on device, load on link), (store on device, store on
-        link)) summed over the GPU batches, and whether any buffer is offloaded."""
+    def _cache_io(self, p, plan: MemoryPlan, sizes, i: int, g: LayerGroup) -> dict:
+        """Per attention stage of a layer in group g (its buffers at its own slots): ((load on
+        device, load on link), (store on device, store on link)) in seconds, summed over the GPU
+        batches, and whether any buffer is offloaded."""
         tiers = p.cache_tiers(len(sizes))
         loads = [0.0, 0.0]
         stores = [0.0, 0.0]
@@ -472,11 +547,10 @@ class CostModel:
             if tier == "gpu" and not p.compress_cache or i > 0 and p.in_place(tier):
                 continue
             offloaded = True
-            whole = sum(plan._buffer_tensors(b, p.compress_cache))
-            full = sum(plan._buffer_tensors(b, False))
+            whole = sum(plan._buffer_tensors(b, p.compress_cache, g.slots))
+            full = sum(plan._buffer_tensors(b, False, g.slots))
             work = p.work_tier(tier) if i > 0 else "gpu"      # prefill computes on the device
-            kv_full = 2 * self.slots * b * self.config.num_kv_heads * self.config.dim_head * \
-                self.elem
+            kv_full = plan.kv_bytes(b, g.slots)
             if i == 0:                        # a fresh buffer, everything stored after prefill
                 loads[0] += full / self.dev["mem_bw"]
                 stores[1] += whole / self._store_link(tier, "gpu")
@@ -486,9 +560,8 @@ class CostModel:
             loads[1] += whole / self._load_link(tier, work)
             if p.compress_cache:
                 loads[0] += kv_full / self._work_cal(work)["dequant_bw"]
-            kept = 1 if p.compress_cache else self.written   # a lossy home keeps no region
-            written = 2 * kept * b * self.config.num_kv_heads * \
-                self.config.dim_head * self.elem      # K/V of the slots a step writes
+            kept = 1 if p.compress_cache else g.written   # a lossy home keeps no region
+            written = plan.kv_bytes(b, kept)         # K/V of the slots a step writes
             stores[1] += (full - kv_full + written) / self._store_link(tier, work)  # state whole
             if p.compress_cache:
                 stores[0] += written / self._work_cal(work)["quant_bw"]

@@ -124,6 +124,11 @@ class MemoryPlan:
         kv = self._packed(n, d) if compressed else [n * d * self.elem]
         return 2 * kv + [4 * n, 4 * n, 4 * n, n]
 
+    def kv_bytes(self, batch: int, slots: int | None = None) -> int:
+        """Bytes of K and V at full size in one layer's buffer of `slots` (default: the largest
+        layer's) for `batch` sequences (`_buffer_tensors`' first two)."""
+        return sum(self._buffer_tensors(batch, False, slots)[:2])
+
     def _buffer_bytes(self, batch: int, compressed: bool, pinned: bool = False,
                       slots: int | None = None) -> int:
         return host_bytes(self._buffer_tensors(batch, compressed, slots), pinned)
