@@ -109,6 +109,31 @@ def test_the_cost_model_prices_prefill_attention_at_the_runs_prompt():
             assert got[0] == pytest.approx(got[1], rel=1e-9), (pol.name, prompt)
 
 
+def test_the_engine_probes_factor_leaves_attention_as_measured():
+    """The factors fitted on the six-layer engine probe (short prompts, where attention is a
+    sliver of the work) scale the matmuls and passes, not attention, which the calibration
+    times at the shapes a run has: halving them takes off half of what attention does not
+    cost, in prefill and in decode, at 512 and at 8176 prompt tokens."""
+    from flexevict.core.config import REGISTRY
+    config, cpu = REGISTRY["smollm2-135m"], torch.device("cpu")
+    cal = calibration.Calibration(_with_table(), None, measure_ok=False)
+    place = Placement(gpu_batch_size=2)
+    for prompt in (512, 8176):
+        def model(f, attention_free=False):
+            m = CostModel(config, cal, cpu, torch.float32, prompt, 8, PolicySpec("full"),
+                          efficiency={"prefill": f, "decode": f, "weights": 1.0})
+            if attention_free:
+                m._attention = lambda *a: 0.0
+            return m.estimate(place, 2)
+        whole, half = model(1.0), model(0.5)
+        rest, rest_half = model(1.0, True), model(0.5, True)
+        for phase in ("prefill_s", "step_s"):
+            attention = getattr(whole, phase) - getattr(rest, phase)
+            assert attention > 0
+            assert getattr(half, phase) - getattr(rest_half, phase) == pytest.approx(attention)
+            assert getattr(rest_half, phase) < 0.75 * getattr(rest, phase)
+
+
 def test_one_thread_scales_the_table_like_every_compute_rate():
     data = _with_table()
     data["host"]["threads"] = 4
