@@ -1,10 +1,14 @@
 """What eviction costs and what it buys on a CPU: every seed policy at a 20% budget against
 `full`, at 2048 prompt tokens with 32 and with 256 generated, run by two source trees side by
 side (this checkout, "after", and another, "before": e.g. the commit before a change), case by
-case in alternation so that a disturbance of the shared machine hits both alike.
+case in alternation so that a disturbance of the shared machine hits both alike; without
+--before, this tree alone (the cost of policies that have no "before", e.g. the weight-free
+methods of 2025-2026 beside `full` and `h2o`).
 
     git worktree add /tmp/before <commit>
     python bench/eviction_cost.py --before /tmp/before --out bench/results/eviction_cost_cpu
+    python bench/eviction_cost.py --policy full --policy h2o --policy triattention \
+        --policy keydiff --policy snapkv --out bench/results/eviction_cost_cpu_methods_2026
 
 Each run is `python -m flexevict.bench --model smollm2-135m --prompt-len 2048 --gen-len G
 --gpu-batch-size 8 --threads 2 --policy P [--budget 0.2]` in a fresh process with the tree
@@ -32,7 +36,8 @@ from side_by_side import prepare  # noqa: E402
 from flexevict.errors import UserError, cli_errors  # noqa: E402
 
 POLICIES = ("full",) + SEED_POLICIES
-CHOICES = POLICIES + ("recall",)      # recall: not a seed policy, compared with them
+# not seed policies, compared with them: recall, and the weight-free methods engines ship in 2026
+CHOICES = POLICIES + ("recall", "triattention", "keydiff", "snapkv")
 GEN_LENS = (32, 256)
 
 
@@ -106,7 +111,8 @@ def table(results: dict, prompt_len: int, gen_len: int, label: str) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--before", required=True, metavar="DIR", help="the other source tree")
+    ap.add_argument("--before", metavar="DIR",
+                    help="the other source tree (default: none, this tree alone)")
     ap.add_argument("--policy", action="append", default=[], choices=CHOICES,
                     help="only these policies (default: the seven above)")
     ap.add_argument("--model", default="smollm2-135m")
@@ -123,7 +129,8 @@ def main(argv=None):
             raise UserError("--prompt-len, --gen-len and --batch must be >= 1")
         if not 0 < args.budget <= 1:
             raise UserError(f"--budget must be in (0, 1] (got {args.budget})")
-        trees = {"before": prepare(args.before), "after": this_tree()}
+        trees = {"before": prepare(args.before)} if args.before else {}
+        trees["after"] = this_tree()
         policies = args.policy or list(POLICIES)
         results = {label: {str(g): {} for g in gen_lens} for label in trees}
         with tempfile.TemporaryDirectory() as scratch:
@@ -143,7 +150,7 @@ def main(argv=None):
         commands = {f"{policy}@{g}": "python -m flexevict.bench "
                     + " ".join(bench_argv(policy, g, args)) for policy in policies
                     for g in gen_lens}
-        write_report(args.out, text, {"before": trees["before"], "commands": commands,
+        write_report(args.out, text, {"before": trees.get("before"), "commands": commands,
                                       "runs": results})
 
 

@@ -163,3 +163,13 @@ def per_layer_commits(monkeypatch):
     tested apart (test_engine.py)."""
     from flexevict.runtime.engine import Engine
     monkeypatch.setattr(Engine, "stack_layers", False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_kept_weights_lines_after_the_tests():
+    """The weight cache says at exit what it kept (`weight_cache._say_kept`), for a user's run;
+    the suite's caches are pytest's temporary folders, so those lines would only be noise
+    under the test summary (tests/test_weight_cache.py checks the line itself)."""
+    yield
+    from flexevict.runtime import weight_cache
+    weight_cache._used_roots.clear()

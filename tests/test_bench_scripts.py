@@ -76,9 +76,10 @@ def check_eviction_cost(out, stdout, tmp):
     r = _json(out)                                   # PREFIX.json
     for label in ("before", "after"):
         runs = r["runs"][label]["4"]
-        assert set(runs) == {"full", "h2o"}
+        assert set(runs) == {"full", "h2o", "keydiff"}
         assert all(run["total_throughput"] > 0 for run in runs.values())
     assert r["runs"]["after"]["4"]["h2o"]["prefill_eviction_s"] > 0
+    assert "| keydiff |" in stdout
     assert "### after, 16 + 4" in stdout and "| h2o |" in stdout
 
 
@@ -173,8 +174,9 @@ CASES = {
     # one CPU case, one round, 2 tokens, against a copy of this same tree
     "side_by_side.py": (["--before", "BEFORE", "--rounds", "1", "--case", "opt-125m-memory-full",
                          "--gen-len", "2", "--out", "PREFIX"], check_side_by_side),
-    # two policies, a 16-token prompt, 4 tokens, against a copy of this same tree
+    # three policies (one of 2025), a 16-token prompt, 4 tokens, against a copy of this tree
     "eviction_cost.py": (["--before", "BEFORE", "--policy", "full", "--policy", "h2o",
+                          "--policy", "keydiff",
                           "--prompt-len", "16", "--gen-len", "4", "--batch", "2",
                           "--out", "PREFIX"], check_eviction_cost),
     # HashEvict's hooks on a 256-token prompt, 2 timed steps, one round
