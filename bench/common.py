@@ -6,8 +6,10 @@ writing a comparison's tables and runs.
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
 from flexevict.bench.report import write_json  # noqa: F401
 from flexevict.runtime.machine import run_metadata
@@ -51,3 +53,31 @@ if __name__ == "__main__":
     argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(json.dumps(run_metadata("cpu"), indent=1))
+
+
+def run_driver(python: str, driver: str, spec: dict, name: str, read):
+    """Run a peer's driver script (text `driver`) with the peer's own interpreter `python`, on
+    the inputs `spec` (JSON), in a fresh folder outside the tree, with this environment's
+    PYTHONPATH and VIRTUAL_ENV removed (the peer imports only its own packages) -> read(spec),
+    where spec also holds `tmp`, the folder, and `out`, the JSON file the driver writes; read
+    runs before the folder goes. A failed driver is a UserError with its stderr's end."""
+    from flexevict.errors import UserError
+    with tempfile.TemporaryDirectory(prefix=f"{name}-peer-") as tmp:
+        path, inputs = os.path.join(tmp, "driver.py"), os.path.join(tmp, "in.json")
+        spec = dict(spec, out=os.path.join(tmp, "out.json"), tmp=tmp)
+        with open(path, "w") as f:
+            f.write(driver)
+        with open(inputs, "w") as f:
+            json.dump(spec, f)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        proc = subprocess.run([python, path, inputs], cwd=tmp, env=env, capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise UserError(f"the {name} driver failed:\n" + proc.stderr[-3000:])
+        return read(spec)
+
+
+def read_out(spec: dict) -> dict:
+    """`run_driver`'s reader of the driver's JSON output alone."""
+    with open(spec["out"]) as f:
+        return json.load(f)

@@ -35,19 +35,16 @@ Writes OUT.md (the tables) and OUT.json (every number). Setting up the peer's ve
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from common import write_report  # noqa: E402
+from common import read_out, run_driver, write_report  # noqa: E402
 
 from flexevict.api import LLM  # noqa: E402
 from flexevict.errors import UserError, cli_errors  # noqa: E402
@@ -193,22 +190,10 @@ def cases(args) -> list[dict]:
 
 
 def run_peer(python: str, spec: dict) -> tuple[dict, dict]:
-    with tempfile.TemporaryDirectory(prefix="kvpress-peer-") as tmp:
-        driver, inputs = os.path.join(tmp, "driver.py"), os.path.join(tmp, "in.json")
-        spec = dict(spec, out=os.path.join(tmp, "out.json"),
-                    logits_out=os.path.join(tmp, "logits.pt"))
-        with open(driver, "w") as f:
-            f.write(DRIVER)
-        with open(inputs, "w") as f:
-            json.dump(spec, f)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        proc = subprocess.run([python, driver, inputs], cwd=tmp, env=env, capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            raise UserError("the kvpress driver failed:\n" + proc.stderr[-3000:])
-        with open(spec["out"]) as f:
-            result = json.load(f)
-        return result, torch.load(spec["logits_out"])
+    """kvpress's JSON output and its step-1 logits (a tensor file beside it)."""
+    def read(spec):
+        return read_out(spec), torch.load(os.path.join(spec["tmp"], spec["logits_out"]))
+    return run_driver(python, DRIVER, dict(spec, logits_out="logits.pt"), "kvpress", read)
 
 
 def table(rows: list[dict], args) -> str:

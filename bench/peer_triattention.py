@@ -28,19 +28,16 @@ Writes OUT.md (the table) and OUT.json (every number).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import write_report  # noqa: E402
+from common import read_out, run_driver, write_report  # noqa: E402
 from peer_kvpress import compare, flexevict_run, nll, prompt_ids  # noqa: E402
 
 from flexevict.api import LLM  # noqa: E402
-from flexevict.errors import UserError, cli_errors  # noqa: E402
+from flexevict.errors import cli_errors  # noqa: E402
 from flexevict.io.packaged import smollm2_gguf  # noqa: E402
 from flexevict.policies import get_policy  # noqa: E402
 from flexevict.policies.triattention import SHIPPED, load_calibration  # noqa: E402
@@ -101,20 +98,7 @@ json.dump(result, open(spec["out"], "w"))
 
 
 def run_peer(python: str, spec: dict) -> dict:
-    with tempfile.TemporaryDirectory(prefix="triattention-peer-") as tmp:
-        driver, inputs = os.path.join(tmp, "driver.py"), os.path.join(tmp, "in.json")
-        spec = dict(spec, out=os.path.join(tmp, "out.json"), tmp=tmp)
-        with open(driver, "w") as f:
-            f.write(DRIVER)
-        with open(inputs, "w") as f:
-            json.dump(spec, f)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        proc = subprocess.run([python, driver, inputs], cwd=tmp, env=env, capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            raise UserError("the TriAttention driver failed:\n" + proc.stderr[-3000:])
-        with open(spec["out"]) as f:
-            return json.load(f)
+    return run_driver(python, DRIVER, spec, "TriAttention", read_out)
 
 
 def table(rows: list[dict], args, peer: dict) -> str:

@@ -247,3 +247,26 @@ def test_script_answers_help(script, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_help(None, proc.stdout, str(tmp_path))
     assert os.listdir(tmp_path) == []                # nothing written: --help ran nothing
+
+
+def test_a_peers_driver_runs_in_its_own_folder_and_environment(monkeypatch):
+    """`common.run_driver` (peer_kvpress.py, peer_triattention.py): the driver sees its inputs,
+    the folder and none of this environment's PYTHONPATH; the reader runs while the driver's
+    files exist; a failing driver is one UserError with its stderr."""
+    sys.path.insert(0, BENCH)
+    from common import read_out, run_driver
+    from flexevict.errors import UserError
+    monkeypatch.setenv("PYTHONPATH", "/nowhere")
+    driver = ("import json, os, sys\nspec = json.load(open(sys.argv[1]))\n"
+              "open(os.path.join(spec['tmp'], 'extra.txt'), 'w').write(spec['word'])\n"
+              "json.dump({'path': os.environ.get('PYTHONPATH'), 'cwd': os.getcwd()}, "
+              "open(spec['out'], 'w'))\n")
+
+    def read(spec):
+        with open(os.path.join(spec["tmp"], "extra.txt")) as f:
+            return read_out(spec), f.read(), spec["tmp"]
+    out, extra, tmp = run_driver(sys.executable, driver, {"word": "kept"}, "test", read)
+    assert out == {"path": None, "cwd": os.path.realpath(tmp)} and extra == "kept"
+    assert not os.path.exists(tmp)                          # the folder goes afterwards
+    with pytest.raises(UserError, match="the test driver failed:\n(.|\n)*boom"):
+        run_driver(sys.executable, "raise SystemExit('boom')", {}, "test", read_out)
