@@ -156,6 +156,17 @@ def test_graphed_scissorhands_over_its_window(args, lengths, rerun):
     assert stats.graphed[-20:] == [True] * 20
 
 
+def recording_engine(arch: str):
+    """A graphed engine on the CPU double (`RerunGraphs`) that keeps each run's `Run` (its
+    graphs and buffers, to check after the run) -> (engine, the list the runs go into)."""
+    runs = []
+    engine = _engine(arch, graphs=True)
+    engine.Graphs = RerunGraphs
+    real = engine._run
+    engine._run = lambda run, *a: runs.append(run) or real(run, *a)
+    return engine, runs
+
+
 @pytest.mark.parametrize("args", [{}, {"w": 8, "T": 20}])
 @pytest.mark.parametrize("span", [16, 256])
 @pytest.mark.parametrize("lengths", [[30, 25, 40], [12, 9, 17]])
@@ -169,11 +180,7 @@ def test_graphed_buzz_passes(args, span, lengths, short_runs, monkeypatch):
     monkeypatch.setattr(kv, "FILL_SPAN", span)
     monkeypatch.setattr(kv, "SPAN_DEVICES", ("cuda", "cpu"))       # as on a GPU
     policy, prompts = get_policy("buzz", budget_tokens=48, **args), rand_prompts(lengths, seed=6)
-    runs = []
-    engine = _engine("llama-gqa", graphs=True)
-    engine.Graphs = RerunGraphs
-    real = engine._run
-    engine._run = lambda run, *a: runs.append(run) or real(run, *a)
+    engine, runs = recording_engine("llama-gqa")
     tokens, stats = run(engine, prompts, 60, policy)
     assert tokens == run(_engine("llama-gqa", graphs=False), prompts, 60, policy)[0]
     assert all(stats.graphed[1:]) and stats.graph_captures <= 4
@@ -212,11 +219,7 @@ def test_one_graph_serves_every_ring_position(short_runs, monkeypatch, stack_lay
     host), so one capture serves all 6, laps after laps, stacked layers or not."""
     monkeypatch.setattr(Engine, "stack_layers", stack_layers)
     prompts, policy = rand_prompts([30], seed=1), H2O(budget_tokens=12)
-    runs = []
-    engine = _engine("opt", graphs=True)
-    engine.Graphs = RerunGraphs
-    real = engine._run
-    engine._run = lambda run, *a: runs.append(run) or real(run, *a)
+    engine, runs = recording_engine("opt")
     tokens = generate(engine, prompts, 40, policy)
     g, bufs = runs[0].graphs, [b for batch in runs[0].cache for b in batch]
     assert g.captures == 1 and g.replays == 38          # 39 decode steps, one warm-up
@@ -234,11 +237,7 @@ def test_one_graph_per_span_of_a_filling_buffer(short_runs, monkeypatch, span):
     monkeypatch.setattr(kv, "FILL_SPAN", span)
     monkeypatch.setattr(kv, "SPAN_DEVICES", ("cuda", "cpu"))    # as on a GPU
     prompts, policy = rand_prompts([30, 25, 40], seed=3), get_policy("full")
-    runs = []
-    engine = _engine("llama-gqa", graphs=True)
-    engine.Graphs = RerunGraphs
-    real = engine._run
-    engine._run = lambda run, *a: runs.append(run) or real(run, *a)
+    engine, runs = recording_engine("llama-gqa")
     tokens, stats = run(engine, prompts, 40, policy)
     ref, _ = run(_engine("llama-gqa", graphs=False), prompts, 40, policy)
     assert tokens == ref and all(stats.graphed[1:])
