@@ -72,11 +72,16 @@ def test_gemma3s_window_layers_are_priced_at_their_ring():
     assert load[0] / load[1] == pytest.approx(size[0] / size[1], rel=1e-12)
     assert windowed.estimate(p, b).decode_s < 0.5 * every.estimate(p, b).decode_s
     # prefill: the global layers rank the prompt for h2o, the ring never does; a binding window
-    # is SDPA over the masked square (model.causal_attention), twice the causal pass's flops
+    # runs in masked bands of W x 2W (model.windowed_attention): 4W / P of the causal pass's
+    # flops, at the rate for 2W tokens; one masked square (twice the causal pass) up to 2W
     h2o = model(GEMMA, 4096, 64, "h2o", 0.2)
     ring, glob = h2o.groups
     assert glob.ranks_prompt and not ring.ranks_prompt and ring.spec.name == "local"
-    assert h2o._prefill_flops(1, ring) == 2 * h2o._prefill_flops(1, glob)
+    (band, at), (causal, p) = h2o._prefill_flops(1, ring), h2o._prefill_flops(1, glob)
+    assert (band / causal, at, p) == (pytest.approx(4 * 512 / 4096), 1024, 4096)
+    short = model(GEMMA, 1000, 16)
+    (square, at), (causal, _) = (short._prefill_flops(1, g) for g in short.groups)
+    assert (square / causal, at) == (2, 1000)
 
 
 def test_a_window_that_holds_the_run_prices_as_a_global_layer():

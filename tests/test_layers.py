@@ -175,3 +175,27 @@ def test_a_pyramid_run_allocates_each_layers_budget(monkeypatch):
     assert out == [generate(m, [p], 20, policy, Sampling(), (), 0)[0] for p in ps]
     block = describe_run(EIGHT, policy, policy.layout(60, 20))
     assert block["layer_slots"] == want and block["total_slots"] == 160
+
+
+@pytest.mark.parametrize("s,window,pads", [(40, 8, None), (1100, 128, None), (300, 64, [0, 37]),
+                                           (100, 64, [5, 0])])
+def test_banded_window_attention_is_the_masked_square(s, window, pads):
+    """A sliding layer's prefill in bands of `window` queries (`model.windowed_attention`)
+    gives what one masked (S, S) square gives, for prompts shorter than two windows (one
+    square) and far longer, grouped-query heads, and left-padded rows."""
+    import torch.nn.functional as F
+    from flexevict.core.model import causal_attention
+    g = torch.Generator().manual_seed(s)
+    q = torch.randn(2, 4, s, 16, generator=g)
+    k, v = torch.randn(2, 2, s, 16, generator=g), torch.randn(2, 2, s, 16, generator=g)
+    pad = None if pads is None else torch.tensor(pads)
+    got = causal_attention(q, k, v, pad, 0.3, window=window)           # (B, S, H, d)
+    gap = torch.arange(s)[:, None] - torch.arange(s)
+    for b in range(2):
+        p = 0 if pads is None else pads[b]              # the row's real tokens: p..s-1
+        real = slice(p, s)
+        mask = ((gap >= 0) & (gap < window))[:s - p, :s - p]
+        ref = F.scaled_dot_product_attention(q[b:b + 1, :, real], k[b:b + 1, :, real],
+                                             v[b:b + 1, :, real], attn_mask=mask, scale=0.3,
+                                             enable_gqa=True)
+        torch.testing.assert_close(got[b, real], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-6)

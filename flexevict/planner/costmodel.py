@@ -21,7 +21,7 @@ with k over the GPU batches of the block:
 
 - comp_s = sum_k: matmuls (weights streamed from memory + flops), attention (prefill: causal
   SDPA, or for a policy that ranks the prompt the pass that also sums its columns, or for a
-  sliding layer whose window binds the masked square; decode: per slot its layer attends),
+  sliding layer whose window binds its masked bands; decode: per slot its layer attends),
   element-wise passes over the hidden states, the layer's policy's hooks (per slot x row), and
   activation moves to and from a CPU tier (the engine makes them on the compute stream, so they
   add to comp rather than overlap it, unlike FlexGen's model).
@@ -448,7 +448,8 @@ class CostModel:
         h, hk, dh = c.num_heads, c.num_kv_heads, c.dim_head
         rows = b * hk
         if i == 0:
-            t = self._prefill_flops(b, g) / attention_rate(self.dev, g.ranks_prompt, self.P)
+            flops, at = self._prefill_flops(b, g)
+            t = flops / attention_rate(self.dev, g.ranks_prompt, at)
             hook = self._hooks[g.spec, False]["prefill"]
             return t + hook["fixed_s"] + hook["per_token_row_s"] * self.P * rows
         on_cpu = self.cuda and work == "cpu"
@@ -463,15 +464,19 @@ class CostModel:
             t += b * (2 * h + 2 * hk) * dh * self.elem / self.cal.link("h2d_pinned")
         return t
 
-    def _prefill_flops(self, b: int, g: LayerGroup) -> float:
-        """Flops of one GPU batch's prefill attention in a layer of group g over the P-token
-        prompt: causal, 2 b h P^2 dh (QK^T and PV over half the square; at the rate for P). A
-        binding window is an (S, S) mask on SDPA (`model.causal_attention`), which computes
-        every tile of the square and masks it, so twice that, not the band's ~4 b h P W dh (a
-        CPU measured 2.3x the causal pass's time at 2048 tokens, window 512)."""
+    def _prefill_flops(self, b: int, g: LayerGroup) -> tuple[float, int]:
+        """(flops, the prompt length whose measured rate they run at) of one GPU batch's
+        prefill attention in a layer of group g over the P-token prompt: causal, 2 b h P^2 dh
+        (QK^T and PV over half the square), at the rate for P. A binding window W runs as
+        masked squares, which the kernel computes whole (twice the causal pass):
+        `model.windowed_attention`'s one square up to P = 2W, else P / W bands of W x 2W,
+        4 W / P of the causal pass's flops, at the rate for 2W tokens."""
         c = self.config
         causal = 2 * b * c.num_heads * self.P * self.P * c.dim_head
-        return causal if g.window is None else 2 * causal
+        if g.window is None:
+            return causal, self.P
+        w = g.window
+        return (2 * causal, self.P) if self.P <= 2 * w else (causal * 4 * w / self.P, 2 * w)
 
     def _cpu_cal(self) -> dict:
         if self._cpu is None:
