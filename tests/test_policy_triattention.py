@@ -261,3 +261,15 @@ def test_flags_and_bad_input(stats_file):
         get_policy("triattention", budget=0.2, stats="nope")
     with pytest.raises(UserError, match="does not fit"):
         get_policy("triattention", stats=stats_file).for_model(CONFIGS["opt"])
+
+
+def test_a_model_without_statistics_is_said_on_stderr_unless_chosen(capsys):
+    """stats=auto on a model with no calibration runs on the norm term alone and says so, with
+    the command that makes one; stats=none is that choice made on purpose: quiet."""
+    from flexevict.policies import get_policy
+    config = CFG
+    get_policy("triattention", budget_tokens=8).for_model(config)
+    err = capsys.readouterr().err
+    assert "norm term alone" in err and "calibrate_policy triattention --model" in err
+    get_policy("triattention", budget_tokens=8, stats="none").for_model(config)
+    assert capsys.readouterr().err == ""
