@@ -4,11 +4,13 @@ The steps below run in priority order, each in its own process: the GPU-only tes
 calibration (the planner's `auto` and every prediction use it), the headline job (OPT-30B under
 a T4's limits: weights streamed from CPU memory, FlexGen 0.1.8 `full` beside flexevict `full`
 and `h2o` at 20%, each engine at the placement and batch its planner picks), H2O's A100 table
-(OPT-6.7B 2048 + 2048, `full` and `h2o` both as CUDA graphs), the kernels, and a 70B-class
-model. The plan is printed first (steps, estimated minutes). A step starts only if its
-estimate fits the minutes left, and is killed at the deadline, so a time-limited machine gets
-back every finished result; a step whose result is already in DIR (same command) is read back,
-not run: run the same command again to go on.
+(OPT-6.7B 2048 + 2048, `full` and `h2o` both as CUDA graphs), the kernels, the 2026 methods,
+a 70B-class model, and last each seed policy's hooks' share of a replayed decode step
+(bench/hook_share.py at OPT-6.7B 2048 + 2048, batch 24: every policy with and without its
+hooks, the goal <= 5%). The plan is printed first (steps, estimated minutes). A step starts
+only if its estimate fits the minutes left, and is killed at the deadline, so a time-limited
+machine gets back every finished result; a step whose result is already in DIR (same command)
+is read back, not run: run the same command again to go on.
 
 Results: DIR/gpu/<step>_<device>.json per step, each naming the GPU, driver, torch, CUDA and
 commit at its top level; DIR/gpu_<device>.md (one table per group) and DIR/gpu_<device>.json.
@@ -127,6 +129,19 @@ def llama70b() -> list[Step]:
                              ("h2o-0.2", ["--policy", "h2o", "--budget", "0.2"]))]
 
 
+def hook_share() -> list[Step]:
+    """Each seed policy's (and recall's) hooks' share of a replayed decode step on H2O's A100
+    case (OPT-6.7B 2048 + 2048, batch 24, 20%, graphed, 64 token steps run): bench/hook_share.py
+    runs each policy with and without its hooks, 3 alternating rounds, on one engine (dummy
+    weights made once). About 5 s a run (a 24 x 2048 prefill, the warm-up, 63 steps and their
+    graph captures) x 7 policies x 2 x 3 rounds, and the weights."""
+    argv = [sys.executable, os.path.join(HERE, "hook_share.py"), "--model", "opt-6.7b",
+            "--prompt-len", "2048", "--gen-len", "2048", "--gpu-batch-size", "24",
+            "--cut-gen-len", "64", "--budget", "0.2", "--rounds", "3", "--device", "cuda",
+            "--cuda-graphs", "--json", "{OUT}"]
+    return [Step("hook-share-opt-6.7b-2048+2048-bs24", "hook-share", "command", argv, 5.0)]
+
+
 def steps() -> list[Step]:
     py = sys.executable
     build = Step("kernels-build", "correctness", "command",
@@ -140,7 +155,7 @@ def steps() -> list[Step]:
     kernels = Step("kernels", "kernels", "command",
                    [py, "-m", "flexevict.bench.kernels", "--json", "{OUT}"], 1.0)
     return ([build, tests, calibration] + headline(512, 512) + headline(512, 32) + a100_table()
-            + [kernels] + methods_2026() + llama70b())
+            + [kernels] + methods_2026() + llama70b() + hook_share())
 
 
 # ---------------------------------------------------------------------------- running

@@ -23,6 +23,8 @@ def tables(rows: list[dict], meta: dict) -> str:
     for group, members in groups.items():
         if group in ("correctness", "calibration", "kernels"):
             parts.append(command_table(group, members))
+        elif group == "hook-share":
+            parts.append(hook_share_table(group, members))
         else:
             parts.append(run_table(group, members))
     return "\n\n".join(parts)
@@ -42,6 +44,20 @@ def command_table(group: str, rows: list[dict]) -> str:
             what += f"; error: {r['error']}"
         lines.append(f"| {r['step']} | {r['seconds']} | {r['rc']} | {what} |")
     return "\n".join(lines)
+
+
+def hook_share_table(group: str, rows: list[dict]) -> str:
+    """bench/hook_share.py's own table of each step's result (its `report`), or its error."""
+    from hook_share import report
+    parts = []
+    for r in rows:
+        res = r.get("result")
+        if isinstance(res, dict) and "results" in res and "error" not in r:
+            parts.append(report(res, f"## {group} ({r['step']}, {r['seconds']} s)"))
+        else:
+            parts.append(f"## {group}\n\n{r['step']}: error: {r.get('error', 'no result')} "
+                         f"({r['seconds']} s)")
+    return "\n\n".join(parts)
 
 
 def median_step_ms(e: dict) -> float | None:

@@ -98,6 +98,21 @@ def check_hook_cost(out, stdout, tmp):
     assert "| hashevict |" in stdout
 
 
+def check_hook_share(out, stdout, tmp):
+    r = _json(out)                                      # PREFIX.json
+    assert r["device"] and r["commit"] and r["torch"]   # the machine at the top level
+    assert [row["policy"] for row in r["results"]] == ["h2o", "buzz"]
+    for row in r["results"]:
+        assert all(row["median_step_ms"][label] > 0 for label in ("with", "without"))
+        assert -1 < row["share"] < 1 and row["steps_counted"] == {"with": 3, "without": 3}
+        assert row["graphed_steps"] == {"with": 0, "without": 0} and row["goal_met"] is None
+        assert len(row["runs"]["with"]) == len(row["runs"]["without"]) == 1
+    assert r["settings"]["disabled"] == ["before_attention", "after_attention", "commit",
+                                         "replay_host"]
+    assert "| h2o | 8 |" in stdout and "| buzz |" in stdout and "n/a (eager)" in stdout
+    assert "a CPU never graphs" in open(out[:-len("json")] + "md").read()
+
+
 def check_recall_reuse(out, stdout, tmp):
     (r,) = _json(out)["results"]                     # PREFIX.json
     assert r["steps"] == 2 and r["pages"] > 0 and 0 <= r["share_copied"] <= 1
@@ -182,6 +197,11 @@ CASES = {
     # HashEvict's hooks on a 256-token prompt, 2 timed steps, one round
     "hook_cost.py": (["--before", "BEFORE", "--policy", "hashevict", "--rounds", "1",
                       "--prompt-len", "256", "--steps", "2", "--out", "PREFIX"], check_hook_cost),
+    # h2o and buzz with and without their hooks, one round: 32 + 8 tokens, 6 steps run
+    "hook_share.py": (["--model", "opt-125m", "--prompt-len", "32", "--gen-len", "8",
+                       "--cut-gen-len", "6", "--gpu-batch-size", "2", "--policy", "h2o",
+                       "--policy", "buzz", "--rounds", "1", "--device", "cpu", "--out", "PREFIX"],
+                      check_hook_share),
     # full, h2o and recall on a 64-token prompt, 4 tokens
     "recall_speed.py": (["--model", "opt-125m", "--prompt-len", "64", "--gen-len", "4",
                          "--budget", "0.5", "--out", "PREFIX"], check_recall_speed),
@@ -270,3 +290,60 @@ def test_a_peers_driver_runs_in_its_own_folder_and_environment(monkeypatch):
     assert not os.path.exists(tmp)                          # the folder goes afterwards
     with pytest.raises(UserError, match="the test driver failed:\n(.|\n)*boom"):
         run_driver(sys.executable, "raise SystemExit('boom')", {}, "test", read_out)
+
+
+def _buffer_state(buf):
+    """A KV buffer's tensors (cloned) and host values, its policy state's included."""
+    import torch
+    state = list(buf.policy_state.items())
+    tensors = [t.clone() for t in buf.tensors()]
+    tensors += [v.clone() for _, v in state if isinstance(v, torch.Tensor)]
+    host = {k: v for k, v in list(vars(buf).items()) + state
+            if isinstance(v, (int, float, bool, str, tuple, type(None)))}
+    return tensors, host
+
+
+def _same_state(a, b) -> bool:
+    import torch
+    return len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0])) \
+        and a[1] == b[1]
+
+
+# hook_share.py's default policies: the seed policies and recall
+@pytest.mark.parametrize("name", ["h2o", "buzz", "cascade", "hashevict", "vatp", "tova",
+                                  "recall"])
+def test_hook_share_variant_runs_no_decode_hook(name):
+    """bench/hook_share.py's "P without hooks": P's class, arguments, layout, fields and flags,
+    no scores accumulated; after P's own prefill, the model's decode step with it
+    (`cache_attention`), the engine's stacked commit and BUZZ's after-replay host step leave the
+    buffer as the token's write left it, where P's own step changes it."""
+    import torch
+    from flexevict.core.kv import KVBuffer
+    from flexevict.core.model import cache_attention
+    from flexevict.planner.calibration import _prefill, _prompt
+    from flexevict.policies import get_policy
+    sys.path.insert(0, BENCH)
+    from hook_share import without_hooks
+    policy = get_policy(name, budget=0.2)
+    bare = without_hooks(policy)
+    assert type(bare).__mro__[1] is type(policy) and bare.arguments() == policy.arguments()
+    assert not bare.accumulates_attention and bare.describe() == policy.describe()
+    for flag in ("graph_safe", "graph_safe_filling", "stacks", "rope_in_cache", "name",
+                 "needs_prompt_scores", "needs_prompt_queries"):
+        assert getattr(bare, flag) == getattr(policy, flag), flag
+    prompt, gen, rows, d, g = 200, 40, 4, 16, 2               # 48 slots: the prompt compacts
+    layout = policy.layout(prompt, gen)
+    assert bare.layout(prompt, gen) == layout and bare.fields(layout) == policy.fields(layout)
+    for p in (policy, bare):
+        torch.manual_seed(0)
+        buf = KVBuffer(layout, rows, d, torch.float32, "cpu", fields=p.fields(layout))
+        _prefill(p, buf, *_prompt("cpu", torch.float32, prompt, rows, d, g))
+        slot, new = buf.incoming_slot(), torch.randn(rows, d)
+        buf.write(slot, new, new, torch.full((rows,), prompt, dtype=torch.int32))
+        written = _buffer_state(buf)
+        cache_attention(torch.randn(rows, g, d), buf, slot, p, d ** -0.5)
+        if p is bare:                  # what the engine calls besides, per step
+            bare.commit(buf, slot)
+            if buf.replay_host is not None:
+                buf.replay_host(buf)
+        assert _same_state(written, _buffer_state(buf)) == (p is bare), p

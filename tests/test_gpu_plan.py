@@ -84,3 +84,43 @@ def test_an_uninstalled_checkout_is_refused_before_any_step(tmp_path, monkeypatc
     with pytest.raises(UserError, match="pip install --no-deps --no-build-isolation -e ."):
         gpu_plan.run_plan(str(tmp_path), max_minutes=1.0, only=None)
     assert not (tmp_path / "gpu").exists()
+
+
+def _run(ms: float, graphed: bool) -> dict:
+    """A bench/hook_share.py run: the prefill, then 6 decode steps of `ms` each."""
+    return {"step_seconds": [1.0] + [ms / 1e3] * 6, "graphed": [False] + [graphed] * 6,
+            "clock_share": None if graphed else 0.01, "attended": 820.0}
+
+
+def test_hook_share_runs_last_and_its_table_is_its_own(tmp_path):
+    """The hook-share step comes after every other step, graphed, and leaves its JSON where
+    the runner reads a command's result (OUT itself, not OUT.json: the step's row); its table
+    is hook_share.py's, the goal checked only for replayed steps."""
+    from gpu_tables import tables
+    from hook_share import summarise
+    *others, last = gpu_plan.steps()
+    assert last.group == "hook-share" and last.kind == "command" and last.minutes >= 3
+    assert all(s.group != "hook-share" for s in others)
+    cmd = last.command(str(tmp_path / "out"))
+    assert cmd[1].endswith("hook_share.py") and "--cuda-graphs" in cmd
+    assert cmd[cmd.index("--json") + 1] == str(tmp_path / "out") and "--out" not in cmd
+    assert cmd[cmd.index("--model") + 1] == "opt-6.7b"
+    rows = [summarise("h2o", 819, {"with": [_run(20.0, True)], "without": [_run(19.2, True)]}),
+            summarise("tova", 819, {"with": [_run(20.0, False)], "without": [_run(18, False)]})]
+    assert rows[0]["replayed"] and rows[0]["goal_met"] and abs(rows[0]["share"] - 0.04) < 1e-9
+    assert not rows[1]["replayed"] and rows[1]["goal_met"] is None
+    settings = {"model": "opt-6.7b", "prompt_len": 2048, "gen_len": 2048, "steps": 7,
+                "batch": 24, "budget": 0.2, "rounds": 1, "settle": 2, "goal": 0.05,
+                "dtype": "float16"}
+    meta = {"device": "NVIDIA H200", "driver": "1", "torch": "2", "cuda": "13", "commit": "c",
+            "cpu_cores": 16, "host_memory_gib": 125.9}
+    step = {"step": last.name, "group": last.group, "kind": "command", "seconds": 250.0,
+            "rc": 0, "result": {"device": "NVIDIA H200", "settings": settings, "results": rows}}
+    text = tables([step], meta)
+    assert f"## hook-share ({last.name}, 250.0 s): opt-6.7b, 2048 + 2048" in text
+    assert "| h2o | 819 | 20.00 | 19.20 | 4.0% | 4 / 4 | 4 / 4 | n/a | 820 / 820 | yes |" in text
+    assert "| tova | 819 | 20.00 | 18.00 | 10.0% | 4 / 4 | 0 / 0 | 1.0% | 820 / 820 | n/a " \
+           "(eager) |" in text
+    failed = dict(step, rc=1, error="out of GPU memory")
+    del failed["result"]
+    assert f"{last.name}: error: out of GPU memory" in tables([failed], meta)

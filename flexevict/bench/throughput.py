@@ -95,6 +95,48 @@ def main(argv=None):
 
 
 def run(args) -> dict:
+    s = prepare(args)
+    with out_of_memory(s.plan, s.device, s.limit):
+        engine, weights_load_s = load_engine(s, args.seed)
+        try:
+            prompts = random_prompts(s.config, s.n, args.prompt_len, args.seed)
+            if not args.no_warmup:
+                warm_up(engine, s.spec, s.n, args.prompt_len, args.gen_len, args.seed)
+            _reset_peaks(s.device)
+            timed = _timed_run(engine, prompts, s.steps, args.gen_len, s.policy,
+                               args.ignore_max_positions)
+        finally:
+            engine.close()
+    result = _result(args, s.plan, s.policy, timed, s.device, s.steps)
+    result["kernel_build_s"] = s.build_s
+    result["weights_load_s"] = weights_load_s
+    result["predicted"] = s.predicted
+    return result
+
+
+@dataclasses.dataclass
+class Setup:
+    """A bench run resolved from its flags before any weight loads (`prepare`)."""
+    config: object                  # the model's ModelConfig
+    path: str                       # its weights, or DUMMY (seeded random)
+    device: torch.device
+    dtype: torch.dtype
+    limit: int | None               # the GPU allocator's cap in bytes (None on a CPU)
+    placement: object               # Placement
+    n: int                          # sequences: gpu_batch_size x num_gpu_batches
+    steps: int                      # token steps run: the prefill, then steps - 1 decode steps
+    spec: PolicySpec
+    policy: Policy                  # a fresh one of `spec`, bound to the model
+    plan: MemoryPlan
+    predicted: dict | None          # the cost model's prediction (`describe`), if any
+    build_s: float | None           # `load_kernels`' seconds
+
+
+def prepare(args) -> Setup:
+    """Everything `run` does before the weights load: the flags checked, threads and placement
+    chosen, the memory estimate checked (a setting that cannot fit is one line now), the
+    prediction made and the CUDA extension loaded. Shared with bench/hook_share.py, which runs
+    one engine for several policies."""
     if args.prompt_len < 1 or args.gen_len < 1:
         raise UserError("--prompt-len and --gen-len must be >= 1")
     config, path = resolve_model(args.model, args.path)
@@ -123,30 +165,30 @@ def run(args) -> dict:
     predicted = describe(check_run(args, work, placement, n, steps=steps))
     confirm_long_run(predicted, steps, args.yes)
     build_s = load_kernels(device)
-    with out_of_memory(plan, device, limit):
-        what = "making dummy weights" if path == DUMMY else "loading weights"
-        t0 = time.perf_counter()
-        with Progress(config.num_layers, what, "layer", "MB") as bar:
-            engine = Engine.load(config, open_weights(path, config, args.seed), placement,
-                                 device, dtype, progress=lambda b: bar.update(1, b / 1e6))
-        weights_load_s = time.perf_counter() - t0
-        try:
-            prompts = _random_prompts(config, n, args.prompt_len, args.seed)
-            if not args.no_warmup:
-                warm, length = warmup_policy(spec, args.prompt_len,
-                                             min(WARMUP_TOKENS, args.gen_len))
-                engine.run(_random_prompts(config, n, length, args.seed + 1),
-                           min(WARMUP_TOKENS, args.gen_len), warm, _greedy)
-            _reset_peaks(device)
-            timed = _timed_run(engine, prompts, steps, args.gen_len, policy,
-                               args.ignore_max_positions)
-        finally:
-            engine.close()
-    result = _result(args, plan, policy, timed, device, steps)
-    result["kernel_build_s"] = build_s
-    result["weights_load_s"] = weights_load_s
-    result["predicted"] = predicted
-    return result
+    return Setup(config, path, device, dtype, limit, placement, n, steps, spec, policy, plan,
+                 predicted, build_s)
+
+
+def load_engine(s: Setup, seed: int) -> tuple[Engine, float]:
+    """The engine of a prepared run: its weights made (DUMMY, from `seed`) or loaded under its
+    placement, with a progress bar -> (engine, seconds it took)."""
+    what = "making dummy weights" if s.path == DUMMY else "loading weights"
+    t0 = time.perf_counter()
+    with Progress(s.config.num_layers, what, "layer", "MB") as bar:
+        engine = Engine.load(s.config, open_weights(s.path, s.config, seed), s.placement,
+                             s.device, s.dtype, progress=lambda b: bar.update(1, b / 1e6))
+    return engine, time.perf_counter() - t0
+
+
+def warm_up(engine: Engine, spec: PolicySpec, n: int, prompt_len: int, gen_len: int,
+            seed: int, adapt=None) -> None:
+    """The warm-up before a timed run of n sequences of prompt_len + gen_len tokens: a fresh
+    policy of `spec` under the budget `warmup_policy` picks (adapt(policy) instead, when given:
+    bench/hook_share.py's hook-free variant), on random prompts from seed + 1."""
+    tokens = min(WARMUP_TOKENS, gen_len)
+    warm, length = warmup_policy(spec, prompt_len, tokens)
+    engine.run(random_prompts(engine.config, n, length, seed + 1), tokens,
+               adapt(warm) if adapt else warm, greedy)
 
 
 def describe(checked) -> dict | None:
@@ -243,7 +285,7 @@ def _timed_run(engine, prompts, steps, gen_len, policy, wrap_positions: bool):
         host.sample()
         return False
     try:
-        run = engine.run(prompts, steps, policy, _greedy, until=tick, plan_steps=gen_len,
+        run = engine.run(prompts, steps, policy, greedy, until=tick, plan_steps=gen_len,
                          wrap_positions=wrap_positions)
     finally:
         bar.close()
@@ -258,11 +300,13 @@ class Timed:
     host_peak: object               # HostMemoryPeak
 
 
-def _greedy(i, k, h, head):
+def greedy(i, k, h, head):
+    """The bench's `Consumer`: each sequence's most likely next token, (b,) int64."""
     return head(h[:, -1] if h.dim() == 3 else h).argmax(dim=-1)
 
 
-def _random_prompts(config, n: int, length: int, seed: int) -> list[list[int]]:
+def random_prompts(config, n: int, length: int, seed: int) -> list[list[int]]:
+    """n prompts of `length` random token ids in [4, vocab_size), from `seed`."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(4, config.vocab_size, (n, length), generator=g).tolist()
 
@@ -333,7 +377,7 @@ def _result(args, plan, policy, timed, device, steps) -> dict:
         "total_latency_s": total, "total_throughput": n * args.gen_len / total,
         "prefill_eviction_s": stats.prefill_eviction_seconds,
         "eviction_s": stats.eviction_seconds,
-        "eviction_share_of_decode": _eviction_share(stats),
+        "eviction_share_of_decode": eviction_share(stats),
         "graphed_decode_steps": sum(stats.graphed[1:]), "graph_captures": stats.graph_captures,
         "evicts": layout.evicts,
         "bytes_moved": stats.traffic,
@@ -344,7 +388,7 @@ def _result(args, plan, policy, timed, device, steps) -> dict:
     }
 
 
-def _eviction_share(stats) -> float | None:
+def eviction_share(stats) -> float | None:
     """The policy hooks' share of the eager decode steps (graphed steps run them untimed)."""
     eager = [s for s, g in zip(stats.step_seconds[1:], stats.graphed[1:]) if not g]
     return stats.eviction_seconds / sum(eager) if eager else None
