@@ -18,8 +18,9 @@ instead of 262141, the same distribution family (Irwin-Hall n = 4, kurtosis 2.7)
 
 On a CPU the numbers are made with numpy (unsigned 64-bit arithmetic, no masks for logical
 shifts, lower per-call overhead than torch) in cache-sized chunks, on torch.get_num_threads()
-threads; elsewhere with the same steps in torch int64 (`_fill_torch`, which also runs on a CPU
-and is tested against the numpy path there).
+threads, each chunk's byte sums turned into the tensor's dtype by one gather from a table of
+the 1021 values they can take; elsewhere with the same steps in torch int64 (`_fill_torch`,
+which also runs on a CPU and is tested against the numpy path there).
 """
 from __future__ import annotations
 
@@ -37,9 +38,7 @@ _BYTES = 0x00FF00FF00FF00FF        # bytes 0, 2, 4, 6 of a word, each in its own
 MEAN, STD = 510, (4 * (256 ** 2 - 1) / 12) ** 0.5    # of the sum of four uniform bytes
 
 SCHEME = "bytes4"          # names the scheme above; in the weight cache's key (io/weights.py)
-CPU_CHUNK = 1 << 15       # elements per numpy step: temporaries stay in L2, and torch's
-                          # cast to fp16/bf16 runs on the calling thread (its grain size;
-                          # above it each worker would fork torch's pool, 10x slower)
+CPU_CHUNK = 1 << 15       # elements per numpy step: temporaries stay in L2
 DEVICE_CHUNK = 1 << 22    # elements per torch step on a GPU: ~100 MB of temporaries at most
 CPU_BLOCK = 1 << 21       # elements per CPU thread task (a multiple of the chunk)
 
@@ -99,21 +98,38 @@ def _fill_block(out: torch.Tensor, start: int, mul: float, add: float, chunk: in
     hi = min(lo + block, out.numel())
     words = np.arange(min(chunk, hi - lo) // 2 + 1, dtype=u64) * u64(_GAMMA)   # j * gamma
     z, t = np.empty_like(words), np.empty_like(words)
-    direct = out.dtype == torch.float32
-    scratch = None if direct else np.empty(len(words) * 2, np.float32)
-    target = out.numpy() if direct else None
+    table, target = _values(out.dtype, mul, add), _bits(out)
     for a in range(lo, hi, chunk):
         n = min(chunk, hi - a)
         w = (n + 1) // 2
         np.add(words[:w], u64((start + a // 2 * _GAMMA) & _U64), out=z[:w])
-        dst = target[a:a + n] if direct else scratch[:n]
-        dst[...] = _byte_sums_np(z[:w], t[:w])[:n]              # exact, as is the next step
-        dst -= np.float32(MEAN)
-        dst *= np.float32(mul)
-        if add:
-            dst += np.float32(add)
-        if not direct:
-            out[a:a + n].copy_(torch.from_numpy(dst))           # rounds to nearest even
+        np.take(table, _byte_sums_np(z[:w], t[:w])[:n], out=target[a:a + n],
+                mode="clip")           # in range already; "raise" would buffer `out`
+
+
+@functools.lru_cache(maxsize=64)
+def _values(dtype: torch.dtype, mul: float, add: float) -> np.ndarray:
+    """The value of each byte sum 0..1020 as `_bits` holds it: float32(s - MEAN) * mul (+ add)
+    in float32, rounded once to dtype (to nearest even), the scheme's last steps made 1021 times
+    instead of once per element (one gather per element then writes the dtype directly)."""
+    v = np.arange(4 * 255 + 1, dtype=np.float32)
+    v -= np.float32(MEAN)
+    v *= np.float32(mul)
+    if add:
+        v += np.float32(add)
+    if dtype == torch.float32:
+        return v
+    return torch.from_numpy(v).to(dtype).view(torch.int16).numpy().view(np.uint16)
+
+
+def _bits(out: torch.Tensor) -> np.ndarray:
+    """out's memory as numpy sees it: float32, or the raw 16 bits of a half or bfloat16 (numpy
+    has no bfloat16)."""
+    if out.dtype == torch.float32:
+        return out.numpy()
+    if out.element_size() == 2:
+        return out.view(torch.int16).numpy().view(np.uint16)
+    raise ValueError(f"seeded_normal makes float32, float16 or bfloat16 (got {out.dtype})")
 
 
 def _byte_sums_np(z: np.ndarray, t: np.ndarray) -> np.ndarray:
