@@ -228,3 +228,18 @@ def test_tokens_do_not_depend_on_the_weight_tier(device, tmp_path):
             e.close()
     assert len({str(o) for o in outs.values()}) == 1, outs
     assert len({t for o in outs["gpu"] for t in o}) > 3          # not a degenerate model
+
+
+def test_the_package_asks_torch_for_huge_pages_before_torch_loads_and_a_user_setting_wins():
+    """`import flexevict` first sets THP_MEM_ALLOC_ENABLE=1 (torch reads it once, at its first
+    allocation) unless the environment already says otherwise."""
+    import os
+    import subprocess
+    import sys
+    code = "import flexevict, os; print(os.environ['THP_MEM_ALLOC_ENABLE'])"
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    for given, want in ((None, "1"), ("0", "0")):
+        run_env = env if given is None else dict(env, THP_MEM_ALLOC_ENABLE=given)
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert out == want
