@@ -566,7 +566,7 @@ def test_keys_rotated_to_their_rank_among_the_valid_slots():
     buf.pos[:n] = torch.stack([torch.randperm(500, generator=g)[:n] for _ in range(rows)], 1)
     buf.valid[:n] = torch.rand(n, rows, generator=g) > 0.3
     q = torch.randn(rows, cfg.num_heads // cfg.num_kv_heads, d, generator=g)
-    q_rot, keys = model._rotate_in_cache(q, buf, n)
+    q_rot, keys = model._rotate_in_cache(q, n, buf)
     inv_freq = model.rope_freq("cpu")
     for r in range(rows):
         real = buf.valid[:n, r].nonzero().flatten().tolist()

@@ -330,7 +330,7 @@ class Transformer:
                   if in_cache else None)
         return cache_attention(q, buf, slot, policy, self.scale, rotate, clock).reshape(b, nh * d)
 
-    def _rotate_in_cache(self, q, n: int, buf: KVBuffer, pos_end: int | None):
+    def _rotate_in_cache(self, q, n: int, buf: KVBuffer, pos_end: int | None = None):
         """`rotate_in_cache` with the rank table of buf's layer."""
         local = buf.layer is not None and self.local[buf.layer]
         return rotate_in_cache(q, buf, n, self.rank_rope(n, q.device, q.dtype, local), pos_end)
