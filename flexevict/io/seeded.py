@@ -117,9 +117,7 @@ def _values(dtype: torch.dtype, mul: float, add: float) -> np.ndarray:
     v *= np.float32(mul)
     if add:
         v += np.float32(add)
-    if dtype == torch.float32:
-        return v
-    return torch.from_numpy(v).to(dtype).view(torch.int16).numpy().view(np.uint16)
+    return _bits(torch.from_numpy(v).to(dtype))
 
 
 def _bits(out: torch.Tensor) -> np.ndarray:
