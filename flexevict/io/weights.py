@@ -31,7 +31,7 @@ class DummyWeights:
     positions N(0, 0.02)); norm weights 1 + N(0, 0.1); biases N(0, 0.02). Each tensor's seed is
     derived from its name, so the result does not depend on load order and no full copy of the
     model is ever needed; the numbers (`seeded_normal`, scheme in io/seeded.py: approximately
-    normal, Irwin-Hall n = 4) do not depend on the device that makes them, so `generating_on`
+    normal, Irwin-Hall n = 8) do not depend on the device that makes them, so `generating_on`
     can make them on the compute device for a CPU or disk tier. Tensor `name`'s key is
     seed * 1_000_003 + crc32(name).
     """
