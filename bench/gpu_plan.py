@@ -4,7 +4,8 @@ The steps below run in priority order, each in its own process: the GPU-only tes
 calibration (the planner's `auto` and every prediction use it), the headline job (OPT-30B under
 a T4's limits: weights streamed from CPU memory, FlexGen 0.1.8 `full` beside flexevict `full`
 and `h2o` at 20%, each engine at the placement and batch its planner picks), H2O's A100 table
-(OPT-6.7B 2048 + 2048, `full` and `h2o` both as CUDA graphs), the kernels, the 2026 methods,
+(OPT-6.7B 2048 + 2048, `full` and `h2o` both as CUDA graphs), the kernels and dummy weights
+made on the GPU (bench/dummy_weights.py), the 2026 methods,
 a 70B-class model, and last each seed policy's hooks' share of a replayed decode step
 (bench/hook_share.py at OPT-6.7B 2048 + 2048, batch 24: every policy with and without its
 hooks, the goal <= 5%). The plan is printed first (steps, estimated minutes). A step starts
@@ -154,8 +155,13 @@ def steps() -> list[Step]:
                         "--out", "{OUT}"], 1.2)
     kernels = Step("kernels", "kernels", "command",
                    [py, "-m", "flexevict.bench.kernels", "--json", "{OUT}"], 1.0)
+    # dummy weights made on the GPU (io/seeded.py): the 1 GB/s goal is the CPU's; the GPU's
+    # should sit near its memory bandwidth
+    dummy = Step("dummy-weights", "kernels", "command",
+                 [py, os.path.join(HERE, "dummy_weights.py"), "--device", "cuda", "--model",
+                  "opt-6.7b", "--dtypes", "float16,bfloat16", "--json", "{OUT}"], 0.5)
     return ([build, tests, calibration] + headline(512, 512) + headline(512, 32) + a100_table()
-            + [kernels] + methods_2026() + llama70b() + hook_share())
+            + [kernels, dummy] + methods_2026() + llama70b() + hook_share())
 
 
 # ---------------------------------------------------------------------------- running

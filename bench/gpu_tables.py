@@ -36,6 +36,9 @@ def command_table(group: str, rows: list[dict]) -> str:
         res = r.get("result")
         if isinstance(res, dict) and "summary" in res:            # the kernels' JSON
             what = "; ".join(f"{k}: {v:.4g}" for k, v in res["summary"].items())
+        elif isinstance(res, dict) and "rows" in res:             # bench/dummy_weights.py
+            what = "; ".join(f"{row['shape']} {row['dtype']}: {row['gb_per_s']['after']:.1f} "
+                             "GB/s" for row in res["rows"])
         elif isinstance(res, dict) and "tests" in res:            # JUnit counts
             what = ", ".join(f"{k} {v}" for k, v in res.items())
         else:

@@ -124,3 +124,13 @@ def test_hook_share_runs_last_and_its_table_is_its_own(tmp_path):
     failed = dict(step, rc=1, error="out of GPU memory")
     del failed["result"]
     assert f"{last.name}: error: out of GPU memory" in tables([failed], meta)
+
+
+def test_the_dummy_weights_step_shows_its_rates_in_the_kernels_table():
+    from gpu_tables import command_table
+    result = {"rows": [{"shape": "opt-6.7b", "dtype": "float16",
+                        "gb_per_s": {"torch.randn": 80.0, "after": 1234.5}}]}
+    table = command_table("kernels", [{"step": "dummy-weights", "seconds": 4.0, "rc": 0,
+                                       "result": result}])
+    assert "| dummy-weights | 4.0 | 0 | opt-6.7b float16: 1234.5 GB/s |" in table
+    assert "dummy-weights" in [s.name for s in gpu_plan.steps()]
