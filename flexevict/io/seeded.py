@@ -42,7 +42,7 @@ STD = (8 * (256 ** 2 - 1) / 12) ** 0.5     # of A + B: eight uniform bytes' sum,
 
 SCHEME = "tables2"        # names the scheme above; in the weight cache's key (io/weights.py)
 CPU_CHUNK = 1 << 18       # elements per add on a CPU: amortizes the call, split over threads
-DEVICE_CHUNK = 1 << 22    # elements per add on a GPU (its tables grow by this much)
+DEVICE_CHUNK = 1 << 20    # elements per add on a GPU: tables of 8 MB, 16 MB a (scale, base)
 
 
 def splitmix64(x: int) -> int:
