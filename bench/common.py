@@ -1,6 +1,6 @@
 """Shared by the scripts in bench/: the package's run metadata and JSON writer, the seed policies,
-running a command that writes its result as JSON (each benchmark case is its own process), and
-writing a comparison's tables and runs.
+running a command that writes its result as JSON (each benchmark case is its own process),
+writing a comparison's tables and runs, and the models the peer comparisons run on.
 
     python bench/common.py      # the run metadata every result here records, for this machine
 """
@@ -81,3 +81,43 @@ def read_out(spec: dict) -> dict:
     """`run_driver`'s reader of the driver's JSON output alone."""
     with open(spec["out"]) as f:
         return json.load(f)
+
+
+# A small Qwen3 (QK-norm per head, heads x head_dim != hidden, tied head) with SmolLM2's vocabulary,
+# so Hamlet's SmolLM2 token ids are its input: no Qwen3 weights ship with the package, so the
+# peer comparisons run it on flexevict's dummy weights, written as an HF folder both engines load
+QWEN3_TINY = dict(arch="qwen3", name="qwen3-tiny", vocab_size=49152, hidden_size=512,
+                  num_layers=8, num_heads=16, num_kv_heads=4, head_dim=128, ffn_size=1536,
+                  max_positions=4096, norm_eps=1e-6, rope_theta=1e6, tie_embeddings=True,
+                  bos_token_id=1, eos_token_ids=(2,))
+PEER_MODELS = ("smollm2-135m", "qwen3-tiny")
+
+
+def peer_model(name: str, tmp: str) -> tuple[dict, str, str]:
+    """The model of a peer comparison -> (what the peer's driver loads: {"gguf": file} or
+    {"folder": HF folder}, what flexevict's LLM loads, a line describing it). qwen3-tiny is
+    written into tmp/qwen3-tiny (config.json, model.safetensors of seed 0, SmolLM2's
+    tokenizer.json)."""
+    from flexevict.io.packaged import smollm2_gguf
+    if name == "smollm2-135m":
+        return ({"gguf": smollm2_gguf()}, "smollm2-135m",
+                "SmolLM2-135M (packaged Q4_1 GGUF, fp32)")
+    import torch
+    from safetensors.torch import save_file
+
+    from flexevict.core.config import ModelConfig, to_hf_dict
+    from flexevict.io.tokenizer import load_tokenizer
+    from flexevict.io.weights import DummyWeights
+    config = ModelConfig(**QWEN3_TINY)
+    folder = os.path.join(tmp, config.name)
+    os.makedirs(folder)
+    load_tokenizer(smollm2_gguf()).save(folder)
+    source = DummyWeights(config, seed=0)
+    save_file({n: source.load(n, dtype=torch.float32).contiguous()
+               for n in config.param_shapes()}, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**to_hf_dict(config), "torch_dtype": "float32"}, f)
+    shape = ", ".join(f"{k}={QWEN3_TINY[k]}" for k in ("num_layers", "num_heads", "num_kv_heads",
+                                                        "head_dim", "hidden_size"))
+    line = f"a small Qwen3 ({shape}; flexevict's dummy weights, seed 0, as an HF folder; fp32)"
+    return {"folder": folder}, folder, line

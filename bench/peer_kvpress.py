@@ -1,13 +1,15 @@
 """Prompt-time selections of `keydiff` and `snapkv` against kvpress's presses, on the same token
-ids with SmolLM2-135M: the kept token indices per layer and kv head, and the logits of the
-tokens that follow.
+ids with SmolLM2-135M (or a small random Qwen3, `--model qwen3-tiny`: bench/common.py): the
+kept token indices per layer and kv head, and the logits of the tokens that follow.
 
     python bench/peer_kvpress.py --kvpress-python KVPRESS_VENV/bin/python \\
         --out bench/results/peer_kvpress/kept_smollm2_cpu
+    python bench/peer_kvpress.py --kvpress-python KVPRESS_VENV/bin/python --model qwen3-tiny \\
+        --out bench/results/peer_kvpress/kept_qwen3_tiny_cpu
 
 kvpress (0.5.x: transformers < 5.3) lives in its own venv outside this tree: this script
 writes a small driver into a temporary folder and runs it there with that venv's Python. The
-driver imports nothing from flexevict; it loads the packaged GGUF with transformers, prefills
+driver imports nothing from flexevict; it loads the model with transformers, prefills
 the prompt under each press and reads the kept keys back from the cache (matched bit for bit
 to the uncompressed prompt's keys, which gives their token indices), then teacher-forces the
 next tokens with positions continuing from the prompt length, as kvpress's pipeline decodes.
@@ -38,18 +40,18 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from common import read_out, run_driver, write_report  # noqa: E402
+from common import PEER_MODELS, peer_model, read_out, run_driver, write_report  # noqa: E402
 
 from flexevict.api import LLM  # noqa: E402
 from flexevict.errors import UserError, cli_errors  # noqa: E402
 from flexevict.evaluation.tasks import shakespeare_text  # noqa: E402
-from flexevict.io.packaged import smollm2_gguf  # noqa: E402
 from flexevict.policies import get_policy  # noqa: E402
 from flexevict.runtime.machine import run_metadata  # noqa: E402
 
@@ -64,8 +66,12 @@ import kvpress
 from transformers import AutoModelForCausalLM, DynamicCache
 
 spec = json.load(open(sys.argv[1]))
-folder, name = os.path.split(spec["gguf"])
-model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+if "folder" in spec:                       # an HF folder
+    model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32).eval()
+else:
+    folder, name = os.path.split(spec["gguf"])
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
 ids, targets = spec["prompt"], spec["targets"]
 P = len(ids)
 
@@ -196,8 +202,8 @@ def run_peer(python: str, spec: dict) -> tuple[dict, dict]:
     return run_driver(python, DRIVER, dict(spec, logits_out="logits.pt"), "kvpress", read)
 
 
-def table(rows: list[dict], args) -> str:
-    lines = [f"SmolLM2-135M (packaged Q4_1 GGUF, fp32), Hamlet tokens "
+def table(rows: list[dict], args, model: str) -> str:
+    lines = [f"{model}, Hamlet tokens "
              f"[{args.offset}, {args.offset + args.prompt_len}) as the prompt, the next "
              f"{args.targets} teacher-forced; kept = tokens kept per layer and kv head after the "
              f"prefill (flexevict: --budget-tokens kept + 1).", "",
@@ -214,11 +220,15 @@ def table(rows: list[dict], args) -> str:
                      f"{c['heads']} | {c['tokens_swapped']} | {r['step1_logits_max_abs_diff']:.2e}"
                      f" | {r['nll_flexevict']:.4f} | {r['nll_kvpress']:.4f} | "
                      f"{r['nll_full']:.4f} |")
+    if args.model != "smollm2-135m":
+        lines += ["", "Random weights: the NLLs say only whether the engines agree, not how well "
+                  "the model predicts Hamlet."]
     lines += ["", "NLL over the teacher-forced tokens after the first (the prefill's prediction "
               "is the same in all three); step 1 attends the same tokens in both engines, later "
               "steps do not (kvpress keeps every generated token, flexevict evicts one per "
               "step).", "", "Command:", "",
-              f"    python bench/peer_kvpress.py --kvpress-python KVPRESS_PYTHON --prompt-len "
+              f"    python bench/peer_kvpress.py --kvpress-python KVPRESS_PYTHON --model "
+              f"{args.model} --prompt-len "
               f"{args.prompt_len} --targets {args.targets} --offset {args.offset} --block "
               f"{args.block} --keydiff-window {args.keydiff_window} "
               + " ".join(f"--kept {k}" for k in args.kept)
@@ -230,6 +240,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kvpress-python", required=True,
                     help="the Python of a venv holding kvpress (and gguf)")
+    ap.add_argument("--model", choices=PEER_MODELS, default="smollm2-135m")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--targets", type=int, default=32, help="tokens teacher-forced after it")
     ap.add_argument("--offset", type=int, default=2000, help="first Hamlet token of the prompt")
@@ -241,13 +252,14 @@ def main(argv=None):
     ap.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.md, .json")
     args = ap.parse_args(argv)
     args.kept = args.kept or [96, 128, 256]
-    with cli_errors("bench/peer_kvpress.py"):
+    with cli_errors("bench/peer_kvpress.py"), tempfile.TemporaryDirectory() as tmp:
         if min(args.kept) < 3 or max(args.kept) >= args.prompt_len or args.targets < 2:
             raise UserError("--kept must be in [3, --prompt-len) and --targets >= 2")
-        llm = LLM("smollm2-135m")
+        source, path, model = peer_model(args.model, tmp)
+        llm = LLM(path)
         ids, targets = prompt_ids(llm, args.prompt_len, args.targets, args.offset)
         todo = cases(args)
-        spec = {"gguf": smollm2_gguf(), "prompt": ids, "targets": targets,
+        spec = {**source, "prompt": ids, "targets": targets,
                 "cases": [{k: v for k, v in c.items() if k != "policy"} for c in todo]}
         peer, peer_logits = run_peer(args.kvpress_python, spec)
         _, full = flexevict_run(llm, ids, targets, get_policy("full"))
@@ -273,10 +285,11 @@ def main(argv=None):
                          "kept": kept, "policy": "keydiff", "arguments": kw, "compare": None,
                          "nll_flexevict": nll(logits, targets, 1),
                          "nll_full": nll(full, targets, 1)})
+        llm.close()
         data = {"args": {**vars(args), "kvpress_python": "KVPRESS_PYTHON"},
                 "run": run_metadata("cpu"),
                 "peer": {k: v for k, v in peer.items() if k != "cases"}, "rows": rows}
-        write_report(args.out, table(rows, args), data)
+        write_report(args.out, table(rows, args, model), data)
         if any(math.isnan(r["nll_flexevict"]) for r in rows):
             raise UserError("a NaN NLL")
 

@@ -1,16 +1,19 @@
 """Prompt-time selection of `triattention` against the authors' TriAttention code, on the same
-token ids with SmolLM2-135M and the same query statistics: the kept token indices per layer
-and kv head.
+token ids with SmolLM2-135M (or a small random Qwen3, `--model qwen3-tiny`: bench/common.py)
+and the same query statistics: the kept token indices per layer and kv head.
 
     python bench/peer_triattention.py --peer-python PEER_VENV/bin/python \\
         --triattention-src TRIATTENTION_CHECKOUT \\
         --out bench/results/peer_triattention/kept_smollm2_cpu
+    python bench/peer_triattention.py --peer-python PEER_VENV/bin/python \\
+        --triattention-src TRIATTENTION_CHECKOUT --model qwen3-tiny \\
+        --out bench/results/peer_triattention/kept_qwen3_tiny_cpu
 
 The authors' repository (WeianMao/triattention; its `triattention/methods` and
 `triattention/common` suffice, pure PyTorch + transformers) is run from a checkout outside this
 tree by a driver written to a temporary folder and run with the peer venv's Python (any venv
 with torch, transformers 5 and gguf: e.g. kvpress's, bench/peer_kvpress.py). The driver imports
-nothing from flexevict: it loads the packaged GGUF with transformers, prefills the prompt with
+nothing from flexevict: it loads the model with transformers, prefills the prompt with
 a full cache, converts flexevict's calibration file to the authors' statistics format (per
 layer and query head: the mean complex pre-RoPE query and its mean modulus), builds their
 `TriAttention` compressor (the per-layer, per-kv-head mode with its z-score normalisation and
@@ -30,17 +33,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import read_out, run_driver, write_report  # noqa: E402
+from common import PEER_MODELS, peer_model, read_out, run_driver, write_report  # noqa: E402
 from peer_kvpress import compare, flexevict_run, nll, prompt_ids  # noqa: E402
 
 from flexevict.api import LLM  # noqa: E402
 from flexevict.errors import cli_errors  # noqa: E402
-from flexevict.io.packaged import smollm2_gguf  # noqa: E402
 from flexevict.policies import get_policy  # noqa: E402
-from flexevict.policies.triattention import SHIPPED, load_calibration  # noqa: E402
+from flexevict.calibrate_policy import calibrate_triattention, default_text  # noqa: E402
+from flexevict.policies.triattention import (SHIPPED, load_calibration,  # noqa: E402
+                                             save_calibration)
 from flexevict.runtime.machine import run_metadata  # noqa: E402
 
 # the peer's side: run with the peer venv's Python, in a folder outside this tree
@@ -55,8 +60,12 @@ spec = json.load(open(sys.argv[1]))
 sys.path.insert(0, spec["src"])
 from triattention.methods.triattention import TriAttention, TriAttentionConfig
 
-folder, name = os.path.split(spec["gguf"])
-model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+if "folder" in spec:                       # an HF folder
+    model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32).eval()
+else:
+    folder, name = os.path.split(spec["gguf"])
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
 model_path = os.path.join(spec["tmp"], "model")
 model.config.save_pretrained(model_path)
 ids = spec["prompt"]
@@ -97,14 +106,26 @@ json.dump(result, open(spec["out"], "w"))
 '''
 
 
+def calibrate(llm: LLM, model: str, tmp: str) -> str:
+    """The statistics file for `model`: SmolLM2's shipped one, else one made now from Macbeth
+    (`python -m flexevict.calibrate_policy`'s defaults, at most the model's positions) in tmp."""
+    if model == "smollm2-135m":
+        return os.path.join(SHIPPED, "smollm2-135m.pt")
+    text, name = default_text()
+    ids = llm.tokenizer.encode(text, special=False)[:llm.config.max_positions]
+    path = os.path.join(tmp, "triattention.pt")
+    save_calibration(path, calibrate_triattention(llm.engine, ids, name))
+    return path
+
+
 def run_peer(python: str, spec: dict) -> dict:
     return run_driver(python, DRIVER, spec, "TriAttention", read_out)
 
 
-def table(rows: list[dict], args, peer: dict) -> str:
-    lines = [f"SmolLM2-135M (packaged Q4_1 GGUF, fp32), Hamlet tokens [{args.offset}, "
+def table(rows: list[dict], args, peer: dict, model: str, calibration: str) -> str:
+    lines = [f"{model}, Hamlet tokens [{args.offset}, "
              f"{args.offset + args.prompt_len}) as the prompt; statistics: "
-             f"{load_calibration(args.calibration).describe()}; the authors' code from a "
+             f"{load_calibration(calibration).describe()}; the authors' code from a "
              f"checkout of WeianMao/triattention outside the tree (transformers "
              f"{peer['transformers']}, torch {peer['torch']}); kept = tokens kept per layer and "
              "kv head after the prefill (flexevict: --budget-tokens kept + 1).", "",
@@ -114,10 +135,14 @@ def table(rows: list[dict], args, peer: dict) -> str:
         c = r["compare"]
         lines.append(f"| {r['kept']} | {c['identical_heads']}/{c['heads']} | "
                      f"{c['tokens_swapped']} | {r['nll_flexevict']:.4f} | {r['nll_full']:.4f} |")
+    if args.model != "smollm2-135m":
+        lines += ["", "Random weights: the NLLs say only how eviction moves them, not how well "
+                  "the model predicts Hamlet."]
     lines += ["", f"NLL over the {args.targets - 1} teacher-forced tokens after the first.", "",
               "Command:", "",
               f"    python bench/peer_triattention.py --peer-python PEER_PYTHON "
-              f"--triattention-src TRIATTENTION_CHECKOUT --prompt-len {args.prompt_len} "
+              f"--triattention-src TRIATTENTION_CHECKOUT --model {args.model} "
+              f"--prompt-len {args.prompt_len} "
               f"--targets {args.targets} --offset {args.offset} "
               + " ".join(f"--kept {k}" for k in args.kept) + f" --out {args.out}"]
     return "\n".join(lines)
@@ -129,8 +154,10 @@ def main(argv=None):
                     help="the Python of a venv with torch, transformers 5 and gguf")
     ap.add_argument("--triattention-src", required=True,
                     help="a checkout of WeianMao/triattention (outside this tree)")
-    ap.add_argument("--calibration", default=os.path.join(SHIPPED, "smollm2-135m.pt"),
-                    help="the statistics both use (default: the shipped SmolLM2 one)")
+    ap.add_argument("--model", choices=PEER_MODELS, default="smollm2-135m")
+    ap.add_argument("--calibration", default=None,
+                    help="the statistics both use (default: SmolLM2's shipped one; for "
+                         "qwen3-tiny, made here from 4096 tokens of Macbeth)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--targets", type=int, default=32, help="tokens teacher-forced after it")
     ap.add_argument("--offset", type=int, default=2000, help="first Hamlet token of the prompt")
@@ -139,16 +166,18 @@ def main(argv=None):
     ap.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.md, .json")
     args = ap.parse_args(argv)
     args.kept = args.kept or [96, 128, 256]
-    with cli_errors("bench/peer_triattention.py"):
-        llm = LLM("smollm2-135m")
+    with cli_errors("bench/peer_triattention.py"), tempfile.TemporaryDirectory() as tmp:
+        source, path, model = peer_model(args.model, tmp)
+        llm = LLM(path)
+        calibration = args.calibration or calibrate(llm, args.model, tmp)
         ids, targets = prompt_ids(llm, args.prompt_len, args.targets, args.offset)
-        peer = run_peer(args.peer_python, {"gguf": smollm2_gguf(), "prompt": ids,
-                                           "kept": args.kept, "src": args.triattention_src,
-                                           "calibration": args.calibration})
+        peer = run_peer(args.peer_python, {**source, "prompt": ids, "kept": args.kept,
+                                           "src": args.triattention_src,
+                                           "calibration": calibration})
         _, full_logits = flexevict_run(llm, ids, targets, get_policy("full"))
         rows = []
         for kept in args.kept:
-            policy = get_policy("triattention", budget_tokens=kept + 1, stats=args.calibration)
+            policy = get_policy("triattention", budget_tokens=kept + 1, stats=calibration)
             ours, logits = flexevict_run(llm, ids, targets, policy)
             rows.append({"kept": kept, "compare": compare(ours, peer["kept"][str(kept)]),
                          "nll_flexevict": nll(logits, targets, 1),
@@ -156,8 +185,8 @@ def main(argv=None):
         result = {"meta": run_metadata(), "peer": {k: v for k, v in peer.items() if k != "kept"},
                   "args": {k: v for k, v in vars(args).items()
                            if k not in ("peer_python", "triattention_src", "calibration")},
-                  "calibration": load_calibration(args.calibration).describe(), "rows": rows}
-        write_report(args.out, table(rows, args, peer), result)
+                  "calibration": load_calibration(calibration).describe(), "rows": rows}
+        write_report(args.out, table(rows, args, peer, model, calibration), result)
         llm.close()
 
 

@@ -292,6 +292,34 @@ def test_a_peers_driver_runs_in_its_own_folder_and_environment(monkeypatch):
         run_driver(sys.executable, "raise SystemExit('boom')", {}, "test", read_out)
 
 
+def test_the_peer_qwen3_is_a_folder_transformers_and_flexevict_read_alike(monkeypatch, tmp_path):
+    """`common.peer_model("qwen3-tiny")`: an HF folder (config, safetensors, tokenizer) of
+    flexevict's dummy weights, whose logits transformers' Qwen3 reproduces (shrunk here)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    sys.path.insert(0, BENCH)
+    import common
+    from flexevict.api import LLM
+    from flexevict.policies import get_policy
+    small = dict(common.QWEN3_TINY, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=32, ffn_size=96)
+    monkeypatch.setattr(common, "QWEN3_TINY", small)
+    source, path, line = common.peer_model("qwen3-tiny", str(tmp_path))
+    assert source == {"folder": path} and "Qwen3" in line
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    llm = LLM(path)
+    assert (llm.config.arch, llm.config.num_kv_heads, llm.config.head_dim) == ("qwen3", 2, 32)
+    ids = [5, 900, 17, 3000, 42, 7]
+    got = []
+    llm.engine.run([ids], 1, get_policy("full"),
+                   lambda i, k, h, head: got.append(head(h)) or torch.zeros(1, dtype=torch.long))
+    llm.close()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = hf(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got[0][0].float(), want, rtol=1e-4, atol=1e-4)
+
+
 def _buffer_state(buf):
     """A KV buffer's tensors (cloned) and host values, its policy state's included."""
     import torch
