@@ -118,6 +118,33 @@ def test_vatp_is_tallied_over_cells_and_its_paper_setting_is_separate():
     assert scaled["verdict"] == UNCLEAR
 
 
+def passkey(scores):
+    return {"accuracy": float(np.mean(scores)), "items": {"accuracy": list(scores)}}
+
+
+def test_the_2026_methods_near_full_and_triattention_against_snapkv():
+    """Near full: perplexity within 5%, passkey within 0.05 (SnapKV's on its long-prompt tasks
+    only); TriAttention against snapkv tallied over (task, budget) cells."""
+    keys = np.tile([1.0, 1.0, 0.0, 1.0], 8)                              # 32 trials
+    sel = {("ppl", "full", 1.0): cell(BASE), ("passkey", "full", 1.0): passkey(keys),
+           ("ppl", "triattention", 0.1): cell(BASE + 0.03),              # +3% perplexity
+           ("ppl", "triattention", 0.2): cell(BASE + 0.01),
+           ("passkey", "triattention", 0.1): passkey(keys),
+           ("passkey", "triattention", 0.2): passkey(keys),
+           ("ppl", "keydiff", 0.1): cell(BASE + 0.3),                    # +35%: not near
+           ("ppl", "snapkv", 0.1): cell(BASE + 0.3), ("ppl", "snapkv", 0.2): cell(BASE + 0.3),
+           ("passkey", "snapkv", 0.1): passkey(keys), ("passkey", "snapkv", 0.2): passkey(keys)}
+    snap, keydiff, tri, tri_vs_snap = report.claim_2026(sel)
+    assert {r["tm"] for r in snap["results"]} == {report.PASSKEY}       # not its ppl
+    assert snap["verdict"] == HOLDS and keydiff["verdict"] == FAILS
+    assert tri["verdict"] == HOLDS and len(tri["results"]) == 4
+    # better on both ppl budgets, equal on both passkey ones: 2 of 4 is not "most"
+    assert "4 (task, budget) cells: 2 better, 0 worse, 2 not distinguishable" in tri_vs_snap["ours"]
+    assert tri_vs_snap["verdict"] == UNCLEAR
+    sel[("passkey", "snapkv", 0.1)] = passkey(keys * 0.0)
+    assert report.claim_2026(sel)[3]["verdict"] == HOLDS                 # 3 of 4
+
+
 def test_claims_markdown_states_setting_statistic_and_verdict():
     sel = {("ppl", "cascade", 0.2): cell(BASE + 0.1), ("ppl", "streaming", 0.2): cell(BASE + 0.2)}
     rows = report.claim_cascade(sel)
