@@ -91,6 +91,15 @@ QWEN3_TINY = dict(arch="qwen3", name="qwen3-tiny", vocab_size=49152, hidden_size
                   max_positions=4096, norm_eps=1e-6, rope_theta=1e6, tie_embeddings=True,
                   bos_token_id=1, eos_token_ids=(2,))
 PEER_MODELS = ("smollm2-135m", "qwen3-tiny")
+# the drivers' lines that load `peer_model`'s model with transformers (spec: the driver's inputs)
+LOAD_MODEL = """
+if "folder" in spec:                       # an HF folder
+    model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32).eval()
+else:
+    folder, name = os.path.split(spec["gguf"])
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+"""
 
 
 def peer_model(name: str, tmp: str) -> tuple[dict, str, str]:

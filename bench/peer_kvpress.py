@@ -47,7 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from common import PEER_MODELS, peer_model, read_out, run_driver, write_report  # noqa: E402
+from common import (LOAD_MODEL, PEER_MODELS, peer_model, read_out,  # noqa: E402
+                    run_driver, write_report)
 
 from flexevict.api import LLM  # noqa: E402
 from flexevict.errors import UserError, cli_errors  # noqa: E402
@@ -66,13 +67,7 @@ import kvpress
 from transformers import AutoModelForCausalLM, DynamicCache
 
 spec = json.load(open(sys.argv[1]))
-if "folder" in spec:                       # an HF folder
-    model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32).eval()
-else:
-    folder, name = os.path.split(spec["gguf"])
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.eval()
-ids, targets = spec["prompt"], spec["targets"]
+''' + LOAD_MODEL + r'''ids, targets = spec["prompt"], spec["targets"]
 P = len(ids)
 
 

@@ -37,7 +37,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import PEER_MODELS, peer_model, read_out, run_driver, write_report  # noqa: E402
+from common import (LOAD_MODEL, PEER_MODELS, peer_model, read_out,  # noqa: E402
+                    run_driver, write_report)
 from peer_kvpress import compare, flexevict_run, nll, prompt_ids  # noqa: E402
 
 from flexevict.api import LLM  # noqa: E402
@@ -60,13 +61,7 @@ spec = json.load(open(sys.argv[1]))
 sys.path.insert(0, spec["src"])
 from triattention.methods.triattention import TriAttention, TriAttentionConfig
 
-if "folder" in spec:                       # an HF folder
-    model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32).eval()
-else:
-    folder, name = os.path.split(spec["gguf"])
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.eval()
-model_path = os.path.join(spec["tmp"], "model")
+''' + LOAD_MODEL + r'''model_path = os.path.join(spec["tmp"], "model")
 model.config.save_pretrained(model_path)
 ids = spec["prompt"]
 P = len(ids)
