@@ -22,8 +22,9 @@ starting at a place its key's hash picks; elements TABLE_A apart share their A t
 Why tables: making an element is then one float32 add of two streamed, cache-friendly reads
 (the tables are scaled once per (scale, base)), where hashing each pair of elements cost about
 a dozen passes of 64-bit integer arithmetic: 4-7x faster on a CPU (bench/dummy_weights.py).
-The hash is spent only on the two tables, once per process. No step is a transcendental function whose last bit could
-differ between CPU and CUDA, and every device runs the same torch ops on the same table bits.
+The hash is spent only on the two tables, once per process. No step is a transcendental
+function whose last bit could differ between CPU and CUDA, and every device runs the same torch
+ops on the same table bits.
 """
 from __future__ import annotations
 
