@@ -414,13 +414,10 @@ def claim_recall(sel: dict) -> list[dict]:
     """recall, which keeps the whole history and attends to the pages each step needs, against
     the full cache (retrieval within 10% of its score; passkey within 0.05; perplexity within
     1% at 10%) and against the eviction policy that retrieves best at the same budget."""
-    full = mean_value(sel, RETRIEVAL, "full", 1.0)
-    near = [paired(sel, RETRIEVAL, "recall", "full", b, margin=0.1 * full, b_budget=1.0)
-            for b in evicting(sel, "retrieval") if full is not None]
+    near = near_full(sel, "recall", (RETRIEVAL,))
     best = [paired(sel, RETRIEVAL, "recall", p, b) for b in evicting(sel, "retrieval")
             if (p := best_evicting(sel, RETRIEVAL, b)) is not None]
-    passkey = [paired(sel, PASSKEY, "recall", "full", b, margin=0.05, b_budget=1.0)
-               for b in evicting(sel, "passkey")]
+    passkey = near_full(sel, "recall", (PASSKEY,))
     ppl = [paired(sel, PPL, "recall", "full", b, margin=math.log(1.01), b_budget=1.0)
            for b in evicting(sel, "ppl") if b == 0.1]
     return [claim("Recall", "recall >= 0.9x the full cache's retrieval accuracy",
