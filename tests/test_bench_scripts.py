@@ -113,6 +113,13 @@ def check_hook_share(out, stdout, tmp):
     assert "a CPU never graphs" in open(out[:-len("json")] + "md").read()
 
 
+def check_ppl_head(out, stdout, tmp):
+    r = _json(out)                                           # PREFIX.json
+    assert r["decode_steps"] > 0 and r["max_nll_diff"] < 1e-4
+    assert all(s > 0 for way in r["ways"].values() for s in way["seconds"])
+    assert "| per step |" in stdout and "| together |" in stdout
+
+
 def check_recall_reuse(out, stdout, tmp):
     (r,) = _json(out)["results"]                     # PREFIX.json
     assert r["steps"] == 2 and r["pages"] > 0 and 0 <= r["share_copied"] <= 1
@@ -205,6 +212,9 @@ CASES = {
     # full, h2o and recall on a 64-token prompt, 4 tokens
     "recall_speed.py": (["--model", "opt-125m", "--prompt-len", "64", "--gen-len", "4",
                          "--budget", "0.5", "--out", "PREFIX"], check_recall_speed),
+    # SmolLM2's perplexity on two 32-token documents, the head per step and deferred
+    "ppl_head.py": (["--tokens", "32", "--docs", "2", "--budget", "0.5", "--rounds", "1",
+                     "--out", "PREFIX"], check_ppl_head),
     # SmolLM2 on two 48-token pieces of Hamlet, 4 tokens
     "recall_reuse.py": (["--prompt-len", "48", "--gen-len", "4", "--batch", "2", "--budget",
                          "0.5", "--out", "PREFIX"], check_recall_reuse),

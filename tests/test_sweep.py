@@ -190,6 +190,20 @@ def test_stream_nll_batch_equals_each_document_alone(engine_smollm2):
         engine_smollm2.score_ids(docs[0], spec)["nll"], rel=1e-5)
 
 
+def test_stream_nll_is_the_same_with_the_head_per_step_or_over_many_steps(engine_smollm2):
+    """Deferring the head (decode steps' hidden states through it together) changes only
+    float rounding: per step, in groups that do not divide the steps, and all at the end."""
+    from flexevict.runtime.generation import stream_nll
+    from flexevict.evaluation.tasks import first_tokens, wikipedia_text
+    docs = [first_tokens(engine_smollm2.tokenizer, wikipedia_text(30 + i), 40) for i in range(2)]
+    spec = PolicySpec("h2o", budget=0.25)
+    per_step, layout = stream_nll(engine_smollm2.engine, docs, spec.make(), head_rows=1)
+    assert per_step.shape == (2, 39) and 39 - layout.slots > 10          # mostly decode steps
+    for rows in (3, 10**6):
+        got, _ = stream_nll(engine_smollm2.engine, docs, spec.make(), head_rows=rows)
+        torch.testing.assert_close(got, per_step, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tasks", "ppl,summaries"], "unknown task 'summaries'"),
     (["--budgets", "0.2,1.5"], "--budgets: 1.5 is outside (0, 1]"),

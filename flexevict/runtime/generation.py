@@ -225,13 +225,21 @@ def token_nll(model, ids: list[int], policy, prefill_tokens: int | None = None,
 
 
 def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None = None,
-               chunk: int = 256, progress: bool = False) -> tuple[torch.Tensor, Layout]:
+               chunk: int = 256, head_rows: int = 256,
+               progress: bool = False) -> tuple[torch.Tensor, Layout]:
     """Teacher-forced NLL of B equal-length documents in one batch -> ((B, N-1) fp32 nats,
     the run's resolved layout).
 
     A prefill of `prefill_tokens` tokens (default: the policy's slot count with eviction, else
     all), then one token per step through the decode path, evicting exactly as generation
     does. Batching costs about as much as one stream on a CPU (per-op overhead bound).
+
+    The prefill's hidden states go through the head `chunk` tokens per document at a time.
+    The next token is known, so no decode step waits for its logits: the steps' hidden states
+    go through the head together, about `head_rows` rows at a time (1: each step alone, as
+    generation must). One step's head reads the whole (V, D) matrix for a few rows; on a CPU
+    that read, not the arithmetic, bounds it, and with a large vocabulary (Gemma-3's 262k) it
+    is most of the step (`bench/ppl_head.py` measures both ways).
     """
     n = len(docs[0])
     if any(len(d) != n for d in docs):
@@ -245,6 +253,7 @@ def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None 
     target = torch.tensor(docs, dtype=torch.long, device=engine.tiers.compute)    # (B, N)
     rows = engine.placement.batch_rows(len(docs))
     nll: dict = {}
+    waiting: dict = {}                             # k -> decode steps' h (b_k, D), in order
 
     def consume(i, k, h, head):
         t = target[rows[k]]
@@ -254,7 +263,13 @@ def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None 
                            known[:, a:a + chunk].reshape(-1)).view(t.shape[0], -1)
                       for a in range(0, p0, chunk)]
         else:                                      # h (b_k, D) predicts token p0 + i
-            nll[k].append(_nll(head, h, t[:, p0 + i]).unsqueeze(1))
+            waiting.setdefault(k, []).append(h.clone())     # the engine may reuse h's memory
+            m = len(waiting[k])
+            if m * t.shape[0] >= head_rows or i == n - 1 - p0:
+                hs = torch.stack(waiting.pop(k), dim=1)      # (b_k, m, D)
+                known = t[:, p0 + i - m + 1:p0 + i + 1]      # (b_k, m)
+                nll[k].append(_nll(head, hs.reshape(-1, hs.shape[-1]),
+                                   known.reshape(-1)).view(t.shape[0], m))
         return t[:, p0 + i]
 
     with Progress(n - p0, "scoring", "step", "tokens", enabled=progress) as bar:
