@@ -259,8 +259,7 @@ def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None 
         t = target[rows[k]]
         if i == 0:                                 # h (b_k, p0, D) predicts tokens 1..p0
             known = t[:, 1:p0 + 1]
-            nll[k] = [_nll(head, h[:, a:a + chunk].reshape(-1, h.shape[-1]),
-                           known[:, a:a + chunk].reshape(-1)).view(t.shape[0], -1)
+            nll[k] = [_nll(head, h[:, a:a + chunk], known[:, a:a + chunk])
                       for a in range(0, p0, chunk)]
         else:                                      # h (b_k, D) predicts token p0 + i
             waiting.setdefault(k, []).append(h.clone())     # the engine may reuse h's memory
@@ -268,8 +267,7 @@ def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None 
             if m * t.shape[0] >= head_rows or i == n - 1 - p0:
                 hs = torch.stack(waiting.pop(k), dim=1)      # (b_k, m, D)
                 known = t[:, p0 + i - m + 1:p0 + i + 1]      # (b_k, m)
-                nll[k].append(_nll(head, hs.reshape(-1, hs.shape[-1]),
-                                   known.reshape(-1)).view(t.shape[0], m))
+                nll[k].append(_nll(head, hs, known))
         return t[:, p0 + i]
 
     with Progress(n - p0, "scoring", "step", "tokens", enabled=progress) as bar:
@@ -279,6 +277,7 @@ def stream_nll(model, docs: list[list[int]], policy, prefill_tokens: int | None 
 
 
 def _nll(head, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """h (n, D), target (n,) -> NLL (n,); chunked callers keep (n, V) logits small."""
-    logp = torch.log_softmax(head(h), dim=-1)
-    return -logp.gather(1, target[:, None]).squeeze(1)
+    """h (b, m, D), target (b, m) -> NLL (b, m), through one head call on b x m rows (callers
+    keep the (b x m, V) logits small)."""
+    logp = torch.log_softmax(head(h.reshape(-1, h.shape[-1])), dim=-1)
+    return -logp.gather(1, target.reshape(-1, 1)).view(target.shape)
