@@ -206,3 +206,10 @@ def test_retrieval_breakdown_puts_full_beside_every_policy():
     by_kind = report.breakdown_table(sel, "retrieval", "per_kind", "by kind")
     assert "| `full` | 100% | 0.750 |" in by_kind and "| `h2o` | 20% | 0.250 |" in by_kind
     assert report.breakdown_table(sel, "ppl", "per_length", "x") == ""
+
+
+def test_a_budget_column_is_labelled_with_a_ring_policys_slots_not_recalls():
+    """recall's cell counts its slots without the page summaries its budget pays for."""
+    sel = {("ppl", "recall", 0.05): {"slots": 153}, ("ppl", "snapkv", 0.05): {"slots": 409}}
+    assert report.slots_label(sel, "ppl", 0.05) == "5% (409)"
+    assert report.slots_label({("ppl", "recall", 0.05): {"slots": 153}}, "ppl", 0.05) == "5%"

@@ -38,8 +38,9 @@ def fmt(metric: str, v) -> str:
 # ------------------------------------------------------------------------------ tables
 
 def slots_label(sel: dict, task: str, budget: float) -> str:
-    """'20% (102)': the slot count of a ring policy's cell (BUZZ reports its peak)."""
-    for p in ("local", "h2o", *POLICIES):
+    """'20% (102)': the slot count of a ring policy's cell (BUZZ reports its peak; `recall`'s
+    count leaves out its page summaries, so it never labels a column)."""
+    for p in ("local", "h2o", *(p for p in POLICIES if p != "recall")):
         m = sel.get((task, p, budget))
         if m and m.get("slots"):
             return f"{budget:.0%} ({m['slots']})"
