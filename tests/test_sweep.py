@@ -6,10 +6,12 @@ orderings that hold robustly at the quick size (every policy beats `local` on st
 perplexity at 20%; `full` reproduces the no-eviction engine bit for bit), resumability, the
 `--text` override and the one-line errors.
 """
+import fcntl
 import json
 import math
 import multiprocessing
 import os
+import shutil
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -44,17 +46,36 @@ def cells(folder) -> dict:
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory, smollm2_path):
+    """This module's copy of the --quick sweep's folder. Under xdist the first worker to ask
+    builds it in the run's shared temp folder and the others wait and copy it: the sweep takes
+    minutes of every core, and each worker building its own (as a module fixture would) took
+    twice that. Tests may add cells to their copy."""
+    packaged_texts_or_skip()
+    folder = tmp_path_factory.mktemp("sweep")
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")      # set in each worker of one xdist run
+    if run is None:
+        build_quick_sweep(str(folder))
+        return str(folder)
+    shared = tmp_path_factory.getbasetemp().parent / f"quick-sweep-{run}"
+    built = shared.with_name(shared.name + ".built")
+    with open(shared.with_name(shared.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)               # released when the file closes
+        if not built.exists():                         # not yet, or a build that failed
+            build_quick_sweep(str(shared))
+            built.touch()
+    shutil.copytree(shared, folder, dirs_exist_ok=True)
+    return str(folder)
+
+
+def build_quick_sweep(folder: str) -> None:
     """The --quick sweep of every policy, shared out over the CPU's cores (a process and a
     torch thread each, all writing the one results folder, which the sweep locks for them),
     then its tables and plots from the results (--report)."""
-    packaged_texts_or_skip()
-    folder = str(tmp_path_factory.mktemp("sweep"))
     cores = min(len(os.sched_getaffinity(0)), 4)
     shares = [",".join(list(POLICIES)[k::cores]) for k in range(cores)]
     with ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(sweep_share, [folder] * cores, shares))
     main(["sweep", "--quick", "--report", "--out", folder])
-    return folder
 
 
 def sweep_share(folder: str, policies: str) -> None:
