@@ -6,7 +6,6 @@ orderings that hold robustly at the quick size (every policy beats `local` on st
 perplexity at 20%; `full` reproduces the no-eviction engine bit for bit), resumability, the
 `--text` override and the one-line errors.
 """
-import fcntl
 import json
 import math
 import multiprocessing
@@ -19,6 +18,7 @@ import torch
 
 from flexevict.errors import UserError
 from flexevict.eval import main
+from flexevict.evaluation.sweep import _locked
 from flexevict.policies import POLICIES, PolicySpec
 
 
@@ -58,8 +58,7 @@ def quick(tmp_path_factory, smollm2_path):
         return str(folder)
     shared = tmp_path_factory.getbasetemp().parent / f"quick-sweep-{run}"
     built = shared.with_name(shared.name + ".built")
-    with open(shared.with_name(shared.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)               # released when the file closes
+    with _locked(str(shared.parent)):                  # the sweep's own lock, on the run's folder
         if not built.exists():                         # not yet, or a build that failed
             build_quick_sweep(str(shared))
             built.touch()
