@@ -177,14 +177,17 @@ def _frontier(model: CostModel, request: PlacementRequest, limits: Limits, gbs: 
     weights, caches = _weight_options(model.config, request), _cache_options(request, nb)
     part = lambda pct, cw=False, cc=False, ccc=False: model.memory_plan(   # noqa: E731
         _placement(request, pct, gbs, nb, cw, cc, ccc), gbs * nb)
-    w_parts = {}
+    w_parts, c_parts = {}, {}
     for act, cw, cc, ccc in itertools.product(_act_options(request), *_switch_options(request)):
         a_part = part((100, 0, 100, 0, *act)).activation_part(pinned)
         feasible = []
         for cp, c_ranks in caches:
             if not _valid(request, (100, 0, *cp, *act), cc, ccc):
                 continue
-            c_part = part((100, 0, *cp, 100, 0), cc=cc, ccc=ccc).cache_part(pinned)
+            if (cp, cc, ccc) not in c_parts:
+                c_parts[cp, cc, ccc] = part((100, 0, *cp, 100, 0), cc=cc, ccc=ccc).cache_part(
+                    pinned)
+            c_part = c_parts[cp, cc, ccc]
             for wp, w_ranks in weights:
                 if (wp, cw) not in w_parts:
                     w_parts[wp, cw] = part((*wp, 100, 0, 100, 0), cw=cw).weight_part(pinned)

@@ -2,6 +2,7 @@
 impossible setting gets the estimate and the setting to change instead of a traceback."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -73,6 +74,7 @@ class MemoryPlan:
                             else list(slots))
         self.n, self.prompt_len, self.gen_len = n, prompt_len, gen_len
         self.slots = max(self.layer_slots)            # the largest layer's
+        self.slot_counts = collections.Counter(self.layer_slots)   # layers alike are priced once
         self.history = history
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.sizes = placement.batch_split(n)
@@ -135,7 +137,8 @@ class MemoryPlan:
 
     def _layers_bytes(self, batch: int, compressed: bool, pinned: bool = False) -> int:
         """Every layer's buffer for `batch` sequences, each at its own slots."""
-        return sum(self._buffer_bytes(batch, compressed, pinned, s) for s in self.layer_slots)
+        return sum(count * self._buffer_bytes(batch, compressed, pinned, s)
+                   for s, count in self.slot_counts.items())
 
     def cache_bytes(self) -> int:
         return sum(self._layers_bytes(b, self.placement.compress_cache) for b in self.sizes)
