@@ -1,10 +1,12 @@
 """The accuracy sweep (`python -m flexevict.eval sweep`) on the packaged SmolLM2 and texts.
 
-One `--quick` sweep over every policy and task runs once for the module (about a minute on a
-2-core CPU, the policies split over two processes); the tests read its files. They check the
-orderings that hold robustly at the quick size (every policy beats `local` on streaming
-perplexity at 20%; `full` reproduces the no-eviction engine bit for bit), resumability, the
-`--text` override and the one-line errors.
+One `--quick` sweep runs once for the run (a few minutes of a 2-core CPU, split over its
+cores); the tests read its files. Every policy runs the `ppl` task; the other tasks run the
+papers' policies and the reference ones (`SWEPT`): each policy's generation is tested on its
+own in test_policy_matrix, so the other policies' cells there would repeat the same paths for
+minutes. The tests check the orderings that hold robustly at the quick size (every policy beats
+`local` on streaming perplexity at 20%; `full` reproduces the no-eviction engine bit for bit),
+resumability, the `--text` override and the one-line errors.
 """
 import json
 import math
@@ -38,6 +40,10 @@ def sweep(capsys, *argv) -> dict:
     return {**json.loads(out.strip().splitlines()[-1]), "stderr": err}
 
 
+OTHER_TASKS = "agreement,passkey,attention-loss,retrieval"
+SWEPT = ["full", "local", "h2o", "buzz", "cascade", "hashevict", "vatp", "recall"]
+
+
 def cells(folder) -> dict:
     with open(os.path.join(folder, "results.json")) as f:
         data = json.load(f)["cells"]
@@ -67,30 +73,35 @@ def quick(tmp_path_factory, smollm2_path):
 
 
 def build_quick_sweep(folder: str) -> None:
-    """The --quick sweep of every policy, shared out over the CPU's cores (a process and a
-    torch thread each, all writing the one results folder, which the sweep locks for them),
-    then its tables and plots from the results (--report)."""
+    """The --quick sweep (`ppl` for every policy, OTHER_TASKS too for SWEPT), shared out over
+    the CPU's cores (a process and a torch thread each, all writing the one results folder,
+    which the sweep locks for them), then its tables and plots from the results (--report)."""
     cores = min(len(os.sched_getaffinity(0)), 4)
-    shares = [",".join(list(POLICIES)[k::cores]) for k in range(cores)]
+    rest = [p for p in POLICIES if p not in SWEPT]
+    shares = [[("ppl," + OTHER_TASKS, SWEPT[k::cores]), ("ppl", rest[k::cores])]
+              for k in range(cores)]
     with ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(sweep_share, [folder] * cores, shares))
     main(["sweep", "--quick", "--report", "--out", folder])
 
 
-def sweep_share(folder: str, policies: str) -> None:
-    """In a worker process: the quick sweep of these policies (and `full`, which every sweep
-    runs once: a second run of its cells rewrites the same results)."""
-    main(["sweep", "--quick", "--policies", policies, "--threads", "1", "--out", folder])
+def sweep_share(folder: str, share: list[tuple[str, list[str]]]) -> None:
+    """In a worker process: the quick sweep of each (tasks, policies) of the share, in turn
+    (and `full`, which every sweep runs: cells already finished are skipped)."""
+    for tasks, policies in share:
+        if policies:
+            main(["sweep", "--quick", "--tasks", tasks, "--policies", ",".join(policies),
+                  "--threads", "1", "--out", folder])
 
 
 @pytest.mark.slow
 def test_quick_sweep_writes_results_tables_claims_and_plots(quick):
     c = cells(quick)
-    evicting = [p for p in POLICIES if p != "full"]
     items = {"ppl": ("nll", 2), "agreement": ("rouge_l", 2), "passkey": ("accuracy", 2),
              "retrieval": ("accuracy", 4)}                      # quick: 2 docs, prompts, ...
     for task in ("ppl", "agreement", "passkey", "attention-loss", "retrieval"):
         assert (task, "full", 1.0) in c                          # the reference, always run
+        evicting = [p for p in (POLICIES if task == "ppl" else SWEPT) if p != "full"]
         assert all((task, p, 0.2) in c for p in evicting)
         if task in items:                                        # the paired units, per cell
             name, n = items[task]
@@ -148,7 +159,7 @@ def test_reference_cells_are_exact(quick):
 @pytest.mark.slow
 def test_attention_error_measures_eviction(quick):
     c = cells(quick)
-    err = {p: c[("attention-loss", p, 0.2)]["metrics"] for p in POLICIES if p != "full"}
+    err = {p: c[("attention-loss", p, 0.2)]["metrics"] for p in SWEPT if p != "full"}
     ran = {p: m for p, m in err.items() if "skipped" not in m}
     assert "hashevict" not in ran and "below policy" in err["hashevict"]["skipped"]
     for p, m in ran.items():
@@ -160,8 +171,9 @@ def test_attention_error_measures_eviction(quick):
 @pytest.mark.slow
 def test_rerun_skips_finished_cells_and_resumes_a_missing_one(quick, capsys):
     before = cells(quick)
-    r = sweep(capsys, "--quick", "--out", quick)
-    n = 5 * len(POLICIES)                                        # tasks x policies at 20%
+    swept = ("--quick", "--out", quick, "--policies", ",".join(SWEPT))
+    r = sweep(capsys, *swept)
+    n = 5 * len(SWEPT)                                           # tasks x policies at 20%
     assert f"{n} cells, {n} already done, 0 to run" in r["stderr"] and r["cells_run"] == 0
     assert cells(quick) == before
     path = os.path.join(quick, "results.json")                    # lose one finished cell
@@ -172,7 +184,7 @@ def test_rerun_skips_finished_cells_and_resumes_a_missing_one(quick, capsys):
     del data["cells"][key]
     with open(path, "w") as f:
         json.dump(data, f)
-    r = sweep(capsys, "--quick", "--out", quick)
+    r = sweep(capsys, *swept)
     assert f"{n - 1} already done, 1 to run" in r["stderr"] and r["cells_run"] == 1
     after = cells(quick)
     assert after[("passkey", "h2o", 0.2)]["metrics"] == before[("passkey", "h2o", 0.2)]["metrics"]
