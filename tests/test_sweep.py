@@ -20,7 +20,7 @@ import torch
 
 from flexevict.errors import UserError
 from flexevict.eval import main
-from flexevict.evaluation.sweep import _locked
+from flexevict.evaluation.sweep import TASKS, _locked
 from flexevict.policies import POLICIES, PolicySpec
 
 
@@ -40,7 +40,6 @@ def sweep(capsys, *argv) -> dict:
     return {**json.loads(out.strip().splitlines()[-1]), "stderr": err}
 
 
-OTHER_TASKS = "agreement,passkey,attention-loss,retrieval"
 SWEPT = ["full", "local", "h2o", "buzz", "cascade", "hashevict", "vatp", "recall"]
 
 
@@ -73,12 +72,12 @@ def quick(tmp_path_factory, smollm2_path):
 
 
 def build_quick_sweep(folder: str) -> None:
-    """The --quick sweep (`ppl` for every policy, OTHER_TASKS too for SWEPT), shared out over
+    """The --quick sweep (`ppl` for every policy, every task for SWEPT), shared out over
     the CPU's cores (a process and a torch thread each, all writing the one results folder,
     which the sweep locks for them), then its tables and plots from the results (--report)."""
     cores = min(len(os.sched_getaffinity(0)), 4)
     rest = [p for p in POLICIES if p not in SWEPT]
-    shares = [[("ppl," + OTHER_TASKS, SWEPT[k::cores]), ("ppl", rest[k::cores])]
+    shares = [[(",".join(TASKS), SWEPT[k::cores]), ("ppl", rest[k::cores])]
               for k in range(cores)]
     with ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(sweep_share, [folder] * cores, shares))
